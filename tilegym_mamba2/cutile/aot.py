@@ -1,0 +1,64 @@
+"""Ahead-of-time compilation of every kernel, on a machine with or without a GPU.
+
+The host code runs on CPU placeholder tensors while launches are recorded, so exactly the
+kernels and compile-time constants of a real call are compiled (with tileiras) for a target.
+"""
+import inspect
+import io
+import time
+
+import cuda.tile as ct
+import torch
+from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
+                                   ScalarConstraint, export_kernel)
+
+from . import run_stages
+from .launch import recording_launches
+from .tuning import choose_config
+
+_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
+           torch.int32: ct.int32, torch.int64: ct.int64}
+
+
+def compile_kernels(target="sm_90", *, batch=2, tokens=1000, groups=1, heads=8, head_size=64,
+                    state_size=128, chunk_size=128, dtype=torch.bfloat16, with_init_state=True):
+    """Compiles every kernel one forward call of this shape launches, for ``target``
+    (e.g. "sm_90"). Returns [(kernel name, cubin size in bytes, seconds)]."""
+    def empty(*shape, dt=dtype):
+        return torch.empty(*shape, dtype=dt)
+
+    x = empty(batch, tokens, heads, head_size)
+    b, c = empty(batch, tokens, groups, state_size), empty(batch, tokens, groups, state_size)
+    dt = empty(batch, tokens, heads)
+    a, d = empty(heads, dt=torch.float32), empty(heads, dt=torch.float32)
+    init = empty(batch, heads, head_size, state_size, dt=torch.float32) if with_init_state else None
+    config = choose_config(batch, tokens, heads, head_size, state_size, chunk_size)
+    with recording_launches() as launches:
+        run_stages(x, a, b, c, d, dt, init, chunk_size, config)
+
+    results = []
+    for kernel, args in launches:
+        start = time.perf_counter()
+        cubin = io.BytesIO()
+        export_kernel(kernel, [kernel_signature(kernel, args)], cubin, gpu_code=target,
+                      output_format="cubin")
+        results.append((kernel._pyfunc.__name__, len(cubin.getvalue()), time.perf_counter() - start))
+    return results
+
+
+def kernel_signature(kernel, args) -> KernelSignature:
+    """The signature a JIT launch with these arguments would compile, without needing a GPU."""
+    params = inspect.signature(kernel._pyfunc).parameters.values()
+    constraints = []
+    for param, arg in zip(params, args):
+        if isinstance(arg, torch.Tensor):
+            constraints.append(ArrayConstraint(
+                _DTYPES[arg.dtype], arg.ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                alias_groups=(), may_alias_internally=False,
+                stride_constant=(None,) * (arg.ndim - 1) + (1,)))
+        elif param.annotation is inspect.Parameter.empty and isinstance(arg, int) and not isinstance(arg, bool):
+            constraints.append(ScalarConstraint(ct.int32))
+        else:
+            constraints.append(arg)  # a ct.Constant parameter: its value
+    return KernelSignature(constraints, CallingConvention.cutile_python_v1()).with_mangled_symbol(
+        kernel._pyfunc.__name__)

@@ -1,0 +1,67 @@
+"""Stage 3: the output, walking each segment's chunks with the state in registers.
+
+For chunk k with entry state S (head_size x state_size) and decay sums g:
+    Y = exp2(g) * C S^T + (exp2(g_i - g_j) * [i >= j] * dt_j * (C B^T)_ij) X + d * X
+then S <- exp2(g_last) S + X^T (dt * exp2(g_last - g) * B) for the next chunk. C B^T, the
+decay and the causal mask stay in registers; because the block carries the state from one
+chunk to the next, only one entry state per segment is read from memory.
+"""
+import cuda.tile as ct
+import torch
+
+from .launch import launch
+
+
+@ct.kernel
+def compute_out_kernel(x, b, c, d, dt_bht, decay_cumsum, entry_states, out, chunks_per_segment,
+                       chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
+                       state_size: ct.Constant[int]):
+    batch_head, segment, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    heads = x.shape[2]
+    batch, head = batch_head // heads, batch_head % heads
+    group = head // (heads // b.shape[2])
+    num_chunks = dt_bht.shape[2] // chunk_size
+
+    state = ct.load(entry_states, (batch, head, segment, p_tile, 0),
+                    (1, 1, 1, head_tile, state_size)).reshape((head_tile, state_size))
+    skip = ct.load(d, (head,), (1,)).reshape((1, 1))
+    token = ct.arange(chunk_size, dtype=ct.int32)
+    causal = token[:, None] >= token[None, :]
+    never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
+
+    first = segment * chunks_per_segment
+    for chunk in range(first, min(first + chunks_per_segment, num_chunks)):
+        x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
+        b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+        c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+
+        scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        # Masking the exponent (not the product) keeps exp2 of the upper triangle from overflowing.
+        decay = ct.exp2(ct.where(causal, g[:, None] - g[None, :], never))
+        weights = (scores * decay * dt_tile[None, :]).astype(x.dtype)
+        y = ct.mma(weights, x_tile, ct.zeros((chunk_size, head_tile), dtype=ct.float32))
+        c_decayed = (c_tile.astype(ct.float32) * ct.exp2(g)[:, None]).astype(x.dtype)
+        y = ct.mma(c_decayed, ct.transpose(state.astype(x.dtype)), y)
+        y = y + skip * x_tile.astype(ct.float32)
+        ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
+
+        g_last = ct.extract(g, (chunk_size - 1,), (1,))
+        weighted_b = b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]
+        state = ct.mma(ct.transpose(x_tile), weighted_b.astype(x.dtype), state * ct.exp2(g_last))
+
+
+def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config):
+    """-> out [batch, tokens, heads, head_size] in x's dtype."""
+    batch, _, heads, head_size = x.shape
+    segments = entry_states.shape[2]
+    out = torch.empty_like(x)
+    grid = (batch * heads, segments, head_size // config.out_head_tile)
+    launch(grid, compute_out_kernel,
+           (x, b, c, d, dt_bht, decay_cumsum, entry_states, out, config.chunks_per_segment,
+            chunk_size, config.out_head_tile, b.shape[3]))
+    return out

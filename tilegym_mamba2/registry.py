@@ -1,0 +1,105 @@
+"""Reads ops_registry.yaml and registers its ops with tilegym's dispatcher.
+
+Implementations are named "module:function" and imported on their first call, so
+registering costs nothing and a backend's import errors surface only when it is used.
+"""
+import importlib
+import importlib.resources
+from dataclasses import dataclass
+from typing import Callable
+
+import yaml
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    name: str
+    contract: str
+    backends: dict          # backend name -> "module:function"
+    fallback: str
+    displaces: str | None   # where tilegym's own implementation of a taken slot moves
+
+
+def registry_text() -> str:
+    return importlib.resources.files("tilegym_mamba2").joinpath("ops_registry.yaml").read_text()
+
+
+def load_registry(text: str | None = None) -> dict[str, OpEntry]:
+    data = yaml.safe_load(registry_text() if text is None else text)
+    entries = {}
+    for name, op in (data or {}).get("ops", {}).items():
+        backends = dict(op.get("backends") or {})
+        for backend, target in backends.items():
+            if not isinstance(target, str) or target.count(":") != 1:
+                raise ValueError(f"ops_registry.yaml: {name}.backends.{backend} must be "
+                                 f"'module:function', got {target!r}")
+        fallback = op.get("fallback")
+        if fallback not in backends:
+            raise ValueError(f"ops_registry.yaml: {name}.fallback {fallback!r} is not one of its "
+                             f"backends {sorted(backends)}")
+        entries[name] = OpEntry(name, op.get("contract", ""), backends, fallback, op.get("displaces"))
+    return entries
+
+
+def resolve(target: str) -> Callable:
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+class LazyImpl:
+    """A registered implementation that imports its target on first call."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.__module__, self.__name__ = target.split(":")
+        self._impl = None
+
+    def __call__(self, *args, **kwargs):
+        if self._impl is None:
+            self._impl = resolve(self.target)
+        return self._impl(*args, **kwargs)
+
+    def __repr__(self):
+        return f"<tilegym_mamba2 implementation {self.target}>"
+
+
+def implementation(op: str, backend: str) -> Callable:
+    """Our own implementation of ``op`` for ``backend``, without going through tilegym."""
+    entry = load_registry()[op]
+    if backend not in entry.backends:
+        raise ValueError(f"backend must be one of {sorted(entry.backends)} for {op}, got {backend!r}")
+    return resolve(entry.backends[backend])
+
+
+def install() -> bool:
+    """Registers every op of ops_registry.yaml with tilegym; False when tilegym is absent."""
+    try:
+        import tilegym
+        from tilegym.backend import dispatcher
+    except ImportError:
+        return False
+    for entry in load_registry().values():
+        install_op(entry, tilegym.ops, dispatcher)
+    return True
+
+
+def install_op(entry: OpEntry, ops_module, dispatcher) -> None:
+    # tilegym offers no public way to read a registered implementation, so a displaced one
+    # is moved within its registry table directly.
+    slots = dispatcher._REGISTRY.setdefault(entry.name, {})
+    for backend, target in entry.backends.items():
+        current = slots.get(backend)
+        if current is not None and not isinstance(current, LazyImpl) and entry.displaces:
+            slots[entry.displaces] = current
+        dispatcher.register_impl(entry.name, backend)(LazyImpl(target))
+    if not hasattr(ops_module, entry.name):
+        setattr(ops_module, entry.name,
+                dispatcher.dispatch(entry.name, fallback_backend=entry.fallback)(_public_stub(entry)))
+
+
+def _public_stub(entry: OpEntry) -> Callable:
+    def stub(*args, **kwargs):
+        raise NotImplementedError(f"{entry.name} has no implementation for the current backend")
+    stub.__name__ = stub.__qualname__ = entry.name
+    stub.__doc__ = entry.contract
+    return stub
