@@ -3,6 +3,7 @@
 Implementations are named "module:function" and imported on their first call, so
 registering costs nothing and a backend's import errors surface only when it is used.
 """
+import functools
 import importlib
 import importlib.resources
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class LazyImpl:
         return f"<tilegym_mamba2 implementation {self.target}>"
 
 
+@functools.cache
 def implementation(op: str, backend: str) -> Callable:
     """Our own implementation of ``op`` for ``backend``, without going through tilegym."""
     entry = load_registry()[op]

@@ -309,11 +309,12 @@ def diagnose(toolchain: Toolchain | None = None, target: str | None = "sm_90") -
                         f"Fix: {INSTALL_HINT}, or use a CUDA 13.3+ toolkit.")
 
     root, var = tc.toolkit_root, tc.toolkit_root_var
-    env_fix = f"point {var} at the toolkit that ships this tileiras ({tc.tileiras_home}) or unset it"
+    env_fix = (f"point {var} at the toolkit that ships this tileiras ({tc.tileiras_home}) "
+               f"or unset it")
     root_problem = None
     if var and not root:
         root_problem = (f"{var} is set but empty; tileiras then finds no libnvvm or ptxas and "
-                        f"exits with code 5 (\"failed to compile Tile IR program\").")
+                        f"fails with exit code 5 (\"failed to compile Tile IR program\").")
     elif var and tc.toolkit_root_version and _release(tc.toolkit_root_version) != _release(tv):
         root_problem = (f"{var}={root} is CUDA {_fmt(tc.toolkit_root_version)} but tileiras is "
                         f"{_fmt(tv)}. tileiras takes ptxas and libnvvm from ${var}, so compiling "
@@ -327,7 +328,8 @@ def diagnose(toolchain: Toolchain | None = None, target: str | None = "sm_90") -
                                f"complete CUDA {_fmt(_release(tv))} toolkit")
     if tc.libnvvm is None:
         problems.append(f"tileiras looks for libnvvm in {where} under nvvm/lib64/libnvvm.so or "
-                        f"lib/libnvvm.so.4 and there is none, so it exits with code 5. Fix: {fix}.")
+                        f"lib/libnvvm.so.4 and there is none, so it fails with exit code 5. "
+                        f"Fix: {fix}.")
     if tc.ptxas is None:
         problems.append(f"tileiras finds no ptxas: not in {root}/bin, not on PATH. Fix: {fix}.")
     for name, exe, ver in (("ptxas", tc.ptxas, tc.ptxas_version),
@@ -378,6 +380,9 @@ def explain_compile_failure(exc: BaseException, toolchain: Toolchain | None = No
 def describe(toolchain: Toolchain | None = None, target: str | None = "sm_90") -> str:
     """A short report for a command-line ``check`` command."""
     tc = find_toolchain() if toolchain is None else toolchain
+    def component(name, path, version):
+        return f"{name:9}: {_fmt(version)}  {path}" if path else f"{name:9}: not found"
+
     if tc.tileiras is None:
         lines = ["tileiras : not found"]
     else:
@@ -389,9 +394,8 @@ def describe(toolchain: Toolchain | None = None, target: str | None = "sm_90") -
                 root_note += f"; cuTile does not pass ${tc.cuda_home_var} to it"
         lines = [
             f"tileiras : {_fmt(tc.tileiras_version)}  {tc.tileiras}  (via {tc.found_via})",
-            f"ptxas    : {_fmt(tc.ptxas_version)}  {tc.ptxas}" if tc.ptxas else "ptxas    : not found",
-            f"libnvvm  : {_fmt(tc.libnvvm_version)}  {tc.libnvvm}" if tc.libnvvm
-            else "libnvvm  : not found",
+            component("ptxas", tc.ptxas, tc.ptxas_version),
+            component("libnvvm", tc.libnvvm, tc.libnvvm_version),
             f"toolkit  : {tc.toolkit_root!r}  ({root_note})",
         ]
     if tc.cuda_home_var:

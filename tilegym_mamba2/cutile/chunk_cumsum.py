@@ -10,7 +10,7 @@ import math
 import cuda.tile as ct
 import torch
 
-from .launch import launch
+from .launch import launch, new_output
 
 LOG2E = math.log2(math.e)
 
@@ -35,8 +35,8 @@ def chunk_cumsum(dt: torch.Tensor, a: torch.Tensor, chunk_size: int):
     [batch, heads, num_chunks * chunk_size] fp32."""
     batch, tokens, heads = dt.shape
     num_chunks = -(-tokens // chunk_size)
-    dt_bht = torch.empty(batch, heads, num_chunks * chunk_size, device=dt.device, dtype=torch.float32)
-    decay_cumsum = torch.empty_like(dt_bht)
+    dt_bht = new_output(batch, heads, num_chunks * chunk_size, dtype=torch.float32, device=dt.device)
+    decay_cumsum = new_output(batch, heads, num_chunks * chunk_size, dtype=torch.float32, device=dt.device)
     heads_tile = heads_tile_for(heads, chunk_size)
     grid = (num_chunks, -(-heads // heads_tile), batch)
     launch(grid, chunk_cumsum_kernel,

@@ -9,7 +9,7 @@ chunk to the next, only one entry state per segment is read from memory.
 import cuda.tile as ct
 import torch
 
-from .launch import launch
+from .launch import launch, new_output
 
 
 @ct.kernel
@@ -59,7 +59,7 @@ def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, conf
     """-> out [batch, tokens, heads, head_size] in x's dtype."""
     batch, _, heads, head_size = x.shape
     segments = entry_states.shape[2]
-    out = torch.empty_like(x)
+    out = new_output(*x.shape, dtype=x.dtype, device=x.device)
     grid = (batch * heads, segments, head_size // config.out_head_tile)
     launch(grid, compute_out_kernel,
            (x, b, c, d, dt_bht, decay_cumsum, entry_states, out, config.chunks_per_segment,

@@ -15,7 +15,7 @@ with more, they are the chunk-entry states of every ``chunks_per_segment``-th ch
 import cuda.tile as ct
 import torch
 
-from .launch import launch
+from .launch import launch, new_output
 
 
 @ct.kernel
@@ -82,11 +82,11 @@ def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config):
     num_chunks = dt_bht.shape[2] // chunk_size
     per_segment = config.chunks_per_segment
     segments = -(-num_chunks // per_segment)
-    local_states = torch.empty(batch, heads, segments, head_size, state_size,
-                               device=x.device, dtype=torch.float32)
-    segment_decay = torch.empty(batch, heads, segments, device=x.device, dtype=torch.float32)
-    entry_states = torch.empty_like(local_states)
-    final_state = torch.empty(batch, heads, head_size, state_size, device=x.device, dtype=torch.float32)
+    states_shape = (batch, heads, segments, head_size, state_size)
+    local_states = new_output(*states_shape, dtype=torch.float32, device=x.device)
+    segment_decay = new_output(batch, heads, segments, dtype=torch.float32, device=x.device)
+    entry_states = new_output(*states_shape, dtype=torch.float32, device=x.device)
+    final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
 
     hp, np_ = config.state_head_tile, config.state_tile
     tiles = (head_size // hp) * (state_size // np_)

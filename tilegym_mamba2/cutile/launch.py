@@ -1,11 +1,16 @@
-"""The one place kernels are launched, so that ahead-of-time compilation can record the
-exact launches the host code makes (kernel and arguments) instead of running them."""
+"""The one place kernels are launched and their outputs allocated.
+
+Ahead-of-time compilation records the launches the host code makes (kernel and arguments)
+instead of running them; tests poison every output buffer with NaN so that an element a
+kernel forgot to write cannot pass.
+"""
 import contextlib
 
 import cuda.tile as ct
 import torch
 
 _recording: list | None = None
+_poison = False
 
 
 def launch(grid, kernel, args):
@@ -13,6 +18,12 @@ def launch(grid, kernel, args):
         _recording.append((kernel, tuple(args)))
         return
     ct.launch(torch.cuda.current_stream(), grid, kernel, tuple(args))
+
+
+def new_output(*shape, dtype, device):
+    if _poison:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(*shape, dtype=dtype, device=device)
 
 
 @contextlib.contextmanager
@@ -24,3 +35,14 @@ def recording_launches():
         yield _recording
     finally:
         _recording = previous
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every output allocated inside the block starts as NaN."""
+    global _poison
+    previous, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = previous

@@ -1,4 +1,5 @@
 """Launch configuration: tile sizes and segment length from the problem's shape."""
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ def choose_config(batch, tokens, heads, head_size, state_size, chunk_size, devic
                   out_head_tile=out_head_tile)
 
 
+@functools.cache
 def _multiprocessor_count(device) -> int:
     if device is None or not torch.cuda.is_available():
         return 132  # an H100/H200; only used for sizing when no GPU is queried
