@@ -76,11 +76,12 @@ def test_forward_matches_reference(batch, tokens, groups, heads, state, head, ch
     assert rel_err(final_state, inputs["final_state"]) < tol, f"final_state, seed={spec.seed}"
 
 
-@pytest.mark.parametrize("chunks_per_segment", [1, 3])
-def test_every_stage_matches_reference(chunks_per_segment):
-    spec, inputs = sample(2, 1000, 2, 4, 64, 64, 64)
+@pytest.mark.parametrize("chunk,chunks_per_segment", [(64, 1), (64, 3), (128, 2), (32, 5)])
+def test_every_stage_matches_reference(chunk, chunks_per_segment):
+    spec, inputs = sample(2, 1000, 2, 4, 64, 64, chunk)
     args = check_forward_args(**forward_inputs(inputs), backend="cutile")
-    config = Config(chunks_per_segment=chunks_per_segment, state_head_tile=32, state_tile=32, out_head_tile=64)
+    config = Config(chunk_size=chunk, chunks_per_segment=chunks_per_segment, state_head_tile=32,
+                    state_tile=32, out_head_tile=64)
     with poisoned_outputs():
         stages = run_stages(*args, config=config)
     x, a, b, c, d, dt, init, chunk = args
@@ -89,7 +90,7 @@ def test_every_stage_matches_reference(chunks_per_segment):
     assert torch.all(stages.dt_bht[:, :, 1000:] == 0), "padded tokens must have dt = 0"
     assert rel_err(stages.decay_cumsum, g) < 1e-5, f"seed={spec.seed}"
     states, final = chunk_states_reference(x, b, dt, g, init, chunk)
-    expected_entry = states[:, :, ::chunks_per_segment]
+    expected_entry = states[:, :, ::chunks_per_segment].transpose(-1, -2)  # kept [state_size, head_size]
     assert stages.entry_states.shape == expected_entry.shape
     assert rel_err(stages.entry_states, expected_entry) < 1e-2, f"seed={spec.seed}"
     assert rel_err(stages.final_state, final) < 1e-2, f"seed={spec.seed}"

@@ -37,7 +37,10 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     batch, tokens, heads, head_size = x.shape
     if config is None:
         config = choose_config(batch, tokens, heads, head_size, b.shape[3], chunk_size, x.device)
-    dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk_size)
-    entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config)
-    out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config)
+    # The kernels may cut chunks shorter than asked (config.chunk_size): the recurrence, and so
+    # the result, does not depend on the chunk length.
+    chunk = config.chunk_size
+    dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk)
+    entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config)
+    out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config)
     return Stages(config, dt_bht, decay_cumsum, entry_states, final_state, out)

@@ -1,8 +1,8 @@
 """Stage 3: the output, walking each segment's chunks with the state in registers.
 
-For chunk k with entry state S (head_size x state_size) and decay sums g:
+For chunk k with entry state S^T (state_size x head_size) and decay sums g:
     Y = exp2(g) * C S^T + (exp2(g_i - g_j) * [i >= j] * dt_j * (C B^T)_ij) X + d * X
-then S <- exp2(g_last) S + X^T (dt * exp2(g_last - g) * B) for the next chunk. C B^T, the
+then S^T <- exp2(g_last) S^T + (dt * exp2(g_last - g) * B)^T X for the next chunk. C B^T, the
 decay and the causal mask stay in registers; because the block carries the state from one
 chunk to the next, only one entry state per segment is read from memory.
 """
@@ -12,7 +12,7 @@ import torch
 from .launch import launch, new_output
 
 
-@ct.kernel
+@ct.kernel(occupancy=2)
 def compute_out_kernel(x, b, c, d, dt_bht, decay_cumsum, entry_states, out, chunks_per_segment,
                        chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                        state_size: ct.Constant[int]):
@@ -22,8 +22,10 @@ def compute_out_kernel(x, b, c, d, dt_bht, decay_cumsum, entry_states, out, chun
     group = head // (heads // b.shape[2])
     num_chunks = dt_bht.shape[2] // chunk_size
 
-    state = ct.load(entry_states, (batch, head, segment, p_tile, 0),
-                    (1, 1, 1, head_tile, state_size)).reshape((head_tile, state_size))
+    # The state is carried transposed, [state_size, head_tile], and B is loaded transposed:
+    # every matmul below then takes its operands in the layout they arrive in.
+    state_t = ct.load(entry_states, (batch, head, segment, 0, p_tile),
+                      (1, 1, 1, state_size, head_tile)).reshape((state_size, head_tile))
     skip = ct.load(d, (head,), (1,)).reshape((1, 1))
     token = ct.arange(chunk_size, dtype=ct.int32)
     causal = token[:, None] >= token[None, :]
@@ -33,26 +35,26 @@ def compute_out_kernel(x, b, c, d, dt_bht, decay_cumsum, entry_states, out, chun
     for chunk in range(first, min(first + chunks_per_segment, num_chunks)):
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
-        b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+        b_t = ct.load(b, (batch, 0, group, chunk), (1, state_size, 1, chunk_size), order=(0, 3, 2, 1),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((state_size, chunk_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
         dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
 
-        scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        scores = ct.mma(c_tile, b_t, ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         # Masking the exponent (not the product) keeps exp2 of the upper triangle from overflowing.
         decay = ct.exp2(ct.where(causal, g[:, None] - g[None, :], never))
         weights = (scores * decay * dt_tile[None, :]).astype(x.dtype)
         y = ct.mma(weights, x_tile, ct.zeros((chunk_size, head_tile), dtype=ct.float32))
         c_decayed = (c_tile.astype(ct.float32) * ct.exp2(g)[:, None]).astype(x.dtype)
-        y = ct.mma(c_decayed, ct.transpose(state.astype(x.dtype)), y)
+        y = ct.mma(c_decayed, state_t.astype(x.dtype), y)
         y = y + skip * x_tile.astype(ct.float32)
         ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
 
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
-        weighted_b = b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]
-        state = ct.mma(ct.transpose(x_tile), weighted_b.astype(x.dtype), state * ct.exp2(g_last))
+        weighted_b_t = (b_t.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[None, :]).astype(x.dtype)
+        state_t = ct.mma(weighted_b_t, x_tile, state_t * ct.exp2(g_last))
 
 
 def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config):

@@ -1,0 +1,76 @@
+"""Ahead-of-time compilation of every kernel with tileiras, no GPU needed.
+
+Compiles go to a fresh cuTile disk cache for this module, so each cubin here really comes
+from tileiras and not from an earlier run. A compute_out compile at the model-like default
+shape takes ~9 s on two CPU cores, so most cases use smaller tiles; fp32 inputs compile far
+more slowly and are left to the GPU tests.
+"""
+import pytest
+import torch
+
+pytest.importorskip("cuda.tile", reason="cuda-tile is not installed")
+
+from tilegym_mamba2.toolchain import diagnose, find_toolchain  # noqa: E402
+
+_TOOLCHAIN = find_toolchain()
+if _TOOLCHAIN.tileiras is None:
+    pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\"): "
+                + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
+
+from tilegym_mamba2.cutile.aot import compile_kernels  # noqa: E402
+
+KERNELS = ["chunk_cumsum_kernel", "segment_states_kernel", "state_scan_kernel", "compute_out_kernel"]
+# Small tiles (head_size 32, state_size 64, chunk 32): every kernel, ~2 s per target.
+SMALL = dict(batch=1, tokens=100, heads=4, head_size=32, state_size=64, chunk_size=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compile_cache(tmp_path_factory):
+    """Points cuTile's disk cache at an empty directory for this module, the way
+    ct.compiler_timeout changes the context's config."""
+    try:
+        from cuda.tile._cext import default_tile_context
+        config = default_tile_context.config
+        previous = config.cache_dir
+    except (ImportError, AttributeError):  # another cuTile layout: keep its cache
+        yield
+        return
+    config.cache_dir = str(tmp_path_factory.mktemp("cutile-cache"))
+    try:
+        yield
+    finally:
+        config.cache_dir = previous
+
+
+def check_compiled(results):
+    names = [name for name, _, _ in results]
+    assert sorted(names) == sorted(KERNELS), names
+    assert len(names) == len(set(names)), names
+    for name, size, seconds in results:
+        assert isinstance(size, int) and size > 0, f"{name}: empty cubin"
+        assert seconds >= 0, name
+    return dict((name, size) for name, size, _ in results)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_90", "sm_100"])
+def test_compile_for_target(target):
+    check_compiled(compile_kernels(target, **SMALL))
+
+
+def test_compile_default_shape_sm90():
+    """The model-like default: head_size 64, state_size 128, chunk 128, bf16."""
+    check_compiled(compile_kernels("sm_90"))
+
+
+def test_compile_without_init_state_sm90():
+    # Same shape as the default test, so only the kernels that change recompile.
+    check_compiled(compile_kernels("sm_90", with_init_state=False))
+
+
+def test_compile_fp16_sm90():
+    check_compiled(compile_kernels("sm_90", **SMALL, dtype=torch.float16))
+
+
+def test_compile_large_state_small_head_sm90():
+    shape = dict(SMALL, tokens=200, head_size=32, state_size=256, chunk_size=64)
+    check_compiled(compile_kernels("sm_90", **shape))

@@ -1,0 +1,235 @@
+"""ops_registry.yaml and the registration of its ops with tilegym's dispatcher.
+
+Whatever touches tilegym's global dispatcher state (or pretends tilegym is absent) runs in
+a fresh interpreter, so the situations cannot leak into each other or into other tests.
+"""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import tilegym_mamba2
+from tilegym_mamba2.registry import LazyImpl, load_registry, resolve
+
+REPO = Path(__file__).resolve().parents[1]
+OP = "mamba2_chunk_forward"
+
+# Small CPU inputs and a float64 reference, shared by the subprocess scripts.
+PRELUDE = textwrap.dedent("""
+    import torch
+    from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
+    from tilegym_mamba2.reference import chunked_forward_reference
+
+    spec = Mamba2ProblemSpec(batch_size=2, num_tokens=40, num_groups=2, num_heads=4,
+                             state_size=8, head_size=8, chunk_size=16,
+                             dtype=torch.float32, device="cpu")
+    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+    ref_out, ref_state = chunked_forward_reference(**inputs)
+
+    def check_result(result):
+        out, state = result
+        assert out.shape == inputs["x"].shape and out.dtype == torch.float32, out
+        torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(state.double(), ref_state, rtol=1e-4, atol=1e-4)
+""")
+
+
+def run_python(script: str, cwd=REPO, env=None) -> str:
+    """Runs ``script`` in a fresh interpreter; fails the test with its output if it fails."""
+    res = subprocess.run([sys.executable, "-c", "import sys\n" + script], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"subprocess failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+# ---------------------------------------------------------------- the yaml itself
+
+def test_shipped_registry_parses():
+    entries = load_registry()
+    assert OP in entries
+    entry = entries[OP]
+    assert entry.name == OP
+    assert set(entry.backends) == {"cutile", "pytorch"}
+    assert entry.fallback == "pytorch"
+    assert entry.displaces == "tilegym-cutile"
+    assert "chunk_size" in entry.contract
+
+
+def test_every_target_resolves_to_a_callable():
+    targets = [t for e in load_registry().values() for t in e.backends.values()]
+    assert targets
+    for target in targets:
+        module, function = target.split(":")
+        impl = resolve(target)
+        assert callable(impl), target
+        assert impl.__module__ == module and impl.__name__ == function, target
+
+
+@pytest.mark.parametrize("target", ["no_colon_here", "a:b:c", 123, None])
+def test_bad_target_names_the_entry(target):
+    text = textwrap.dedent(f"""
+        ops:
+          my_op:
+            backends:
+              pytorch: tilegym_mamba2.reference:mamba2_chunk_forward_pytorch
+              cutile: {json.dumps(target)}
+            fallback: pytorch
+    """)
+    with pytest.raises(ValueError, match=r"my_op\.backends\.cutile"):
+        load_registry(text)
+
+
+@pytest.mark.parametrize("fallback", ["triton", None])
+def test_fallback_not_a_backend_names_the_entry(fallback):
+    text = textwrap.dedent(f"""
+        ops:
+          my_op:
+            backends:
+              pytorch: tilegym_mamba2.reference:mamba2_chunk_forward_pytorch
+            fallback: {json.dumps(fallback)}
+    """)
+    with pytest.raises(ValueError, match=r"my_op\.fallback"):
+        load_registry(text)
+
+
+def test_valid_custom_registry_parses():
+    text = textwrap.dedent("""
+        ops:
+          my_op:
+            backends: {pytorch: "pkg.mod:fn"}
+            fallback: pytorch
+    """)
+    entry = load_registry(text)["my_op"]
+    assert entry.backends == {"pytorch": "pkg.mod:fn"}
+    assert entry.displaces is None and entry.contract == ""
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="backend") as info:
+        tilegym_mamba2.mamba2_chunk_forward(None, None, None, None, None, None, backend="nope")
+    assert "'nope'" in str(info.value)
+    assert "pytorch" in str(info.value) and "cutile" in str(info.value)
+
+
+# ---------------------------------------------------------------- tilegym integration
+
+def test_tilegym_with_its_own_op():
+    """Situation A: tilegym 1.5.1 ships mamba2_chunk_forward; ours takes the "cutile" slot
+    and tilegym's stays reachable as "tilegym-cutile"."""
+    pytest.importorskip("tilegym")
+    run_python(textwrap.dedent("""
+        import importlib
+        import tilegym
+        from tilegym.backend.dispatcher import _REGISTRY
+        assert "tilegym_mamba2" not in sys.modules
+        theirs_before = _REGISTRY["mamba2_chunk_forward"].get("cutile")
+        assert theirs_before is not None, "this tilegym has no mamba2_chunk_forward"
+        """) + PRELUDE + textwrap.dedent("""
+        import tilegym_mamba2
+        from tilegym_mamba2.registry import LazyImpl, install, load_registry
+        targets = load_registry()["mamba2_chunk_forward"].backends
+
+        def check_slots():
+            slots = _REGISTRY["mamba2_chunk_forward"]
+            for backend in ("cutile", "pytorch"):
+                assert isinstance(slots[backend], LazyImpl), (backend, slots[backend])
+                assert slots[backend].target == targets[backend]
+            theirs = slots["tilegym-cutile"]
+            assert not isinstance(theirs, LazyImpl), theirs
+            assert theirs is theirs_before
+            assert theirs.__module__.startswith("tilegym.ops.cutile"), theirs.__module__
+
+        check_slots()
+        check_result(tilegym.ops.mamba2_chunk_forward(**inputs, backend="pytorch"))
+
+        # Registering again must not move our own implementation into "tilegym-cutile".
+        assert install() is True
+        importlib.reload(tilegym_mamba2)
+        check_slots()
+        check_result(tilegym.ops.mamba2_chunk_forward(**inputs, backend="pytorch"))
+        check_result(tilegym_mamba2.mamba2_chunk_forward(**inputs, backend="pytorch"))
+        print("ok")
+    """))
+
+
+def test_tilegym_without_the_op():
+    """Situation B: a tilegym without mamba2_chunk_forward gets the public op from us."""
+    pytest.importorskip("tilegym")
+    run_python(textwrap.dedent("""
+        import tilegym
+        import tilegym.ops
+        from tilegym.backend.dispatcher import _REGISTRY
+        assert "tilegym_mamba2" not in sys.modules
+        del tilegym.ops.mamba2_chunk_forward
+        del _REGISTRY["mamba2_chunk_forward"]
+        """) + PRELUDE + textwrap.dedent("""
+        import tilegym_mamba2
+        from tilegym_mamba2.registry import LazyImpl
+
+        op = tilegym.ops.mamba2_chunk_forward
+        slots = _REGISTRY["mamba2_chunk_forward"]
+        assert "tilegym-cutile" not in slots, slots
+        assert isinstance(slots["cutile"], LazyImpl) and isinstance(slots["pytorch"], LazyImpl)
+        check_result(op(**inputs, backend="pytorch"))
+
+        # The default backend here is cutile: our kernels are chosen and refuse CPU tensors.
+        from tilegym.backend.selector import get_current_backend
+        assert get_current_backend() == "cutile", get_current_backend()
+        try:
+            op(**inputs)
+        except ValueError as exc:
+            assert "CUDA" in str(exc), exc
+        else:
+            raise AssertionError("the cutile backend accepted CPU tensors")
+        print("ok")
+    """))
+
+
+def test_without_tilegym():
+    run_python("sys.modules['tilegym'] = None\n" + PRELUDE + textwrap.dedent("""
+        import tilegym_mamba2
+        from tilegym_mamba2 import registry
+        check_result(tilegym_mamba2.mamba2_chunk_forward(**inputs, backend="pytorch"))
+        assert registry.install() is False
+        assert sys.modules["tilegym"] is None
+        print("ok")
+    """))
+
+
+def _installed_from_wheel():
+    """The installed distribution, or None when absent or installed in editable mode."""
+    try:
+        dist = importlib.metadata.distribution("tilegym-mamba2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    direct_url = dist.read_text("direct_url.json")
+    if direct_url and json.loads(direct_url).get("dir_info", {}).get("editable"):
+        return None
+    files = [str(f) for f in dist.files or []]
+    if any("__editable__" in f for f in files) or "tilegym_mamba2/ops_registry.yaml" not in files:
+        return None
+    return dist
+
+
+def test_registry_found_from_installed_package(tmp_path):
+    if _installed_from_wheel() is None:
+        pytest.skip("package not installed from a wheel; .ci/run installs it")
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and Path(p).resolve() != REPO]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    out = run_python(textwrap.dedent("""
+        import tilegym_mamba2
+        from tilegym_mamba2.registry import load_registry
+        print(tilegym_mamba2.__file__)
+        print(" ".join(load_registry()))
+    """), cwd=tmp_path, env=env)
+    file, ops = out.strip().splitlines()[-2:]
+    assert REPO not in Path(file).resolve().parents, file
+    assert OP in ops.split()
