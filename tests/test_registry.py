@@ -233,3 +233,33 @@ def test_registry_found_from_installed_package(tmp_path):
     file, ops = out.strip().splitlines()[-2:]
     assert REPO not in Path(file).resolve().parents, file
     assert OP in ops.split()
+
+
+@pytest.mark.parametrize("text", [
+    "ops: [mamba2_chunk_forward]",
+    "ops:\n  my_op: nonsense\n",
+    "ops:\n  my_op:\n    backends: [pytorch]\n    fallback: pytorch\n",
+    "nothing: here\n",
+])
+def test_malformed_structure_is_a_clear_error(text):
+    with pytest.raises(ValueError, match="ops_registry.yaml"):
+        load_registry(text)
+
+
+def test_reloaded_registry_does_not_displace_our_own():
+    """After importlib.reload(registry) the LazyImpl class is new; install() must still know
+    the registered implementations are ours and leave 'tilegym-cutile' to tilegym's."""
+    script = textwrap.dedent("""
+        import importlib
+        import tilegym
+        from tilegym.backend.dispatcher import _REGISTRY
+        import tilegym_mamba2, tilegym_mamba2.registry as registry
+        before = _REGISTRY["mamba2_chunk_forward"].get("tilegym-cutile")
+        importlib.reload(registry)
+        registry.install()
+        after = _REGISTRY["mamba2_chunk_forward"].get("tilegym-cutile")
+        assert after is before, (before, after)
+        assert not getattr(after, "is_tilegym_mamba2_impl", False)
+        print("ok")
+    """)
+    assert "ok" in run_python(script)

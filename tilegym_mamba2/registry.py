@@ -27,9 +27,15 @@ def registry_text() -> str:
 
 def load_registry(text: str | None = None) -> dict[str, OpEntry]:
     data = yaml.safe_load(registry_text() if text is None else text)
+    ops = data.get("ops") if isinstance(data, dict) else None
+    if not isinstance(ops, dict):
+        raise ValueError("ops_registry.yaml: expected a mapping 'ops:' of op name -> entry")
     entries = {}
-    for name, op in (data or {}).get("ops", {}).items():
-        backends = dict(op.get("backends") or {})
+    for name, op in ops.items():
+        if not isinstance(op, dict) or not isinstance(op.get("backends"), dict):
+            raise ValueError(f"ops_registry.yaml: {name} must be a mapping with a 'backends:' mapping "
+                             "of backend name -> 'module:function'")
+        backends = dict(op["backends"])
         for backend, target in backends.items():
             if not isinstance(target, str) or target.count(":") != 1:
                 raise ValueError(f"ops_registry.yaml: {name}.backends.{backend} must be "
@@ -49,6 +55,9 @@ def resolve(target: str) -> Callable:
 
 class LazyImpl:
     """A registered implementation that imports its target on first call."""
+
+    # Recognised by this attribute rather than by class, so a reloaded module still knows its own.
+    is_tilegym_mamba2_impl = True
 
     def __init__(self, target: str):
         self.target = target
@@ -91,7 +100,8 @@ def install_op(entry: OpEntry, ops_module, dispatcher) -> None:
     slots = dispatcher._REGISTRY.setdefault(entry.name, {})
     for backend, target in entry.backends.items():
         current = slots.get(backend)
-        if current is not None and not isinstance(current, LazyImpl) and entry.displaces:
+        ours = getattr(current, "is_tilegym_mamba2_impl", False)
+        if current is not None and not ours and entry.displaces:
             slots[entry.displaces] = current
         dispatcher.register_impl(entry.name, backend)(LazyImpl(target))
     if not hasattr(ops_module, entry.name):

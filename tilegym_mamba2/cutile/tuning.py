@@ -19,6 +19,7 @@ class Config:
     out_head_tile: int        # compute_out: head_size columns per block (the state it carries)
 
 
+@functools.cache
 def choose_config(batch, tokens, heads, head_size, state_size, chunk_size, device=None) -> Config:
     sms = _multiprocessor_count(device)
     kernel_chunk = min(chunk_size, KERNEL_CHUNK)

@@ -1,0 +1,128 @@
+"""Command line: `python -m tilegym_mamba2 [run|check|compile|bench|registry]`.
+
+run (default)  checks the environment and runs the op: on a GPU our kernels against the
+               float64 reference with a timing; without one, the pytorch backend against the
+               token recurrence plus an ahead-of-time compile of every kernel for sm_90.
+"""
+import argparse
+import sys
+import time
+
+import torch
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m tilegym_mamba2", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("run", help="environment check and one forward pass (the default)")
+    sub.add_parser("check", help="report the cuTile toolchain and GPU")
+    comp = sub.add_parser("compile", help="ahead-of-time compile every kernel (no GPU needed)")
+    comp.add_argument("--target", default="sm_90", help="e.g. sm_80, sm_90, sm_100")
+    bench = sub.add_parser("bench", help="side-by-side benchmark with the installed peers (GPU)")
+    bench.add_argument("--grid", action="store_true", help="the larger shape grid, not only ANCHORS.md's")
+    bench.add_argument("--only", nargs="*", help="peers to include (tilegym mamba_ssm fla)")
+    bench.add_argument("--tilegym-shapes", type=int, default=1,
+                       help="how many shapes to time tilegym's op on (it autotunes 150-250 s per shape)")
+    bench.add_argument("--time-budget", type=float, default=None,
+                       help="seconds after which tilegym's (slow to tune) op is no longer started")
+    bench.add_argument("--json", default="bench.json")
+    bench.add_argument("--png", help="also plot time against tokens (needs matplotlib)")
+    sub.add_parser("registry", help="the ops this plugin adds to tilegym")
+    args = parser.parse_args(argv)
+    command = args.command or "run"
+    if command == "run":
+        return run()
+    if command == "check":
+        return check()
+    if command == "compile":
+        return compile_all(args.target)
+    if command == "bench":
+        return bench_cmd(args)
+    if command == "registry":
+        return registry()
+
+
+def check() -> int:
+    from .toolchain import describe, diagnose
+    print(describe(target=None if torch.cuda.is_available() else "sm_90"))
+    if torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name()} (compute capability "
+              f"{'.'.join(map(str, torch.cuda.get_device_capability()))})")
+    else:
+        print("GPU: none visible to torch; the cutile backend needs an NVIDIA GPU of compute capability 8.0+")
+    return 1 if diagnose(target=None if torch.cuda.is_available() else "sm_90") else 0
+
+
+def run() -> int:
+    import tilegym_mamba2
+    from .testing import Mamba2ProblemSpec, forward_inputs
+    status = check()
+    print()
+    if torch.cuda.is_available():
+        spec = Mamba2ProblemSpec(batch_size=4, num_tokens=16384, num_groups=1, num_heads=8, state_size=128,
+                                 head_size=64, chunk_size=128)
+        inputs = spec.get_sample_inputs(with_reference=True, with_backward=False)
+        start = time.perf_counter()
+        out, final = tilegym_mamba2.mamba2_chunk_forward(**forward_inputs(inputs))
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        err = _rel(out, inputs["out"]), _rel(final, inputs["final_state"])
+        from .bench import measure
+        ms = measure(lambda: tilegym_mamba2.mamba2_chunk_forward(**forward_inputs(inputs)))
+        print(f"cutile backend, {spec}:\n  first call {first:.1f} s (compile included), median {ms:.3f} ms,"
+              f" error vs float64 reference: out {err[0]:.1e}, final_state {err[1]:.1e}")
+        return status or int(max(err) > 1e-2)
+    from .reference import token_recurrence
+    spec = Mamba2ProblemSpec(batch_size=1, num_tokens=300, num_groups=1, num_heads=4, state_size=64,
+                             head_size=64, chunk_size=128, device="cpu")
+    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+    out, final = tilegym_mamba2.mamba2_chunk_forward(**inputs, backend="pytorch")
+    ref_out, ref_final = token_recurrence(*list(inputs.values())[:7])
+    print(f"No GPU: pytorch backend on {spec.num_tokens} tokens vs the token recurrence: "
+          f"out {_rel(out, ref_out):.1e}, final_state {_rel(final, ref_final):.1e}")
+    print("Ahead-of-time compile of the cutile kernels for sm_90 (proves they compile; running them needs a GPU):")
+    return status or compile_all("sm_90")
+
+
+def compile_all(target) -> int:
+    from .cutile.aot import compile_kernels
+    from .toolchain import explain_compile_failure
+    try:
+        for name, size, seconds in compile_kernels(target):
+            print(f"  {name:24s} {target}  {size:8d} bytes  {seconds:.1f} s")
+    except Exception as e:
+        print(explain_compile_failure(e) or f"compile failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def bench_cmd(args) -> int:
+    from . import bench
+    if not torch.cuda.is_available():
+        print("bench needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
+        return 1
+    shapes = bench.GRID_SHAPES if args.grid else bench.ANCHOR_SHAPES
+    result = bench.run(shapes, only=args.only, tilegym_shapes=args.tilegym_shapes, out_json=args.json,
+                       time_budget_s=args.time_budget)
+    print(bench.table(result))
+    if args.png:
+        bench.plot(result, args.png)
+    return 0
+
+
+def registry() -> int:
+    from .registry import load_registry
+    for entry in load_registry().values():
+        print(f"{entry.name}\n  {entry.contract}\n  backends: {entry.backends}\n  fallback: {entry.fallback}"
+              f"\n  displaces tilegym's own to: {entry.displaces}")
+    return 0
+
+
+def _rel(got, ref):
+    got, ref = got.double().cpu(), ref.double().cpu()
+    return float("nan") if torch.isnan(got).any() else ((got - ref).norm() / ref.norm()).item()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
