@@ -231,7 +231,7 @@ def test_registry_found_from_installed_package(tmp_path):
         print(" ".join(load_registry()))
     """), cwd=tmp_path, env=env)
     file, ops = out.strip().splitlines()[-2:]
-    assert REPO not in Path(file).resolve().parents, file
+    assert Path(file).resolve().parent != REPO / "tilegym_mamba2", f"imported the checkout, not the install: {file}"
     assert OP in ops.split()
 
 
