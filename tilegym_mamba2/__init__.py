@@ -4,7 +4,7 @@ Importing this package registers the ops of ``ops_registry.yaml`` with tilegym (
 installed), so ``tilegym.ops.mamba2_chunk_forward`` runs our kernels under the "cutile"
 backend. The same op is callable directly as ``tilegym_mamba2.mamba2_chunk_forward``.
 """
-from .registry import implementation, install
+from .registry import implementation, install, preferred_backend
 from .testing import Mamba2ProblemSpec
 
 __version__ = "0.1.0"
@@ -31,6 +31,37 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
     return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
 
 
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, return_varlen_states=False, *, backend=None):
+    """Drop-in for mamba_ssm's ``mamba_chunk_scan_combined`` (forward): what a Mamba-2 mixer calls.
+
+    Args (mamba_ssm's names):
+        x: [batch, tokens, heads, head_size];  dt: [batch, tokens, heads], raw.
+        A: [heads] (negative);  B, C: [batch, tokens, groups, state_size].
+        chunk_size: 16..256, a power of two.
+        D: [heads] or [heads, head_size], the skip;  z: like x, gates the output: y * silu(z).
+        dt_bias: [heads];  dt_softplus;  dt_limit: (low, high):
+            dt = clamp(softplus?(dt + dt_bias), low, high).
+        initial_states: [batch, heads, head_size, state_size] (each row's first sequence), or
+            with cu_seqlens [num_sequences, heads, head_size, state_size] (one per sequence).
+        seq_idx: [batch, tokens] int, each token's sequence, sorted along tokens.
+        cu_seqlens: [num_sequences + 1] int start offsets of sequences packed in batch 1
+            (defines seq_idx when that is not given).
+        return_final_states, return_varlen_states: as in mamba_ssm.
+        backend: None (our kernels where the op has them, else "pytorch") or a backend name.
+
+    Returns:
+        out [batch, tokens, heads, head_size] in x's dtype; then final_states
+        [batch, heads, head_size, state_size] fp32 if asked; then varlen_states
+        [num_sequences, heads, head_size, state_size] fp32 if asked.
+    """
+    op = "mamba2_chunk_scan_combined"
+    return implementation(op, backend or preferred_backend(op))(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+        return_final_states, return_varlen_states)
+
+
 install()
 
-__all__ = ["Mamba2ProblemSpec", "mamba2_chunk_forward", "__version__"]
+__all__ = ["Mamba2ProblemSpec", "mamba2_chunk_forward", "mamba_chunk_scan_combined", "__version__"]

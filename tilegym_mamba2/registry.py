@@ -82,6 +82,12 @@ def implementation(op: str, backend: str) -> Callable:
     return resolve(entry.backends[backend])
 
 
+def preferred_backend(op: str) -> str:
+    """"cutile" where the op has our kernels, else its fallback."""
+    entry = load_registry()[op]
+    return "cutile" if "cutile" in entry.backends else entry.fallback
+
+
 def install() -> bool:
     """Registers every op of ops_registry.yaml with tilegym; False when tilegym is absent."""
     try:

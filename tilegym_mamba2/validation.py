@@ -28,59 +28,70 @@ def check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, *, backend: st
     """Checks the mamba2_chunk_forward contract; returns contiguous tensors, with a, d and
     init_state as fp32. Raises TypeError (wrong type or dtype) or ValueError (wrong shape,
     size or device)."""
-    for name, t in (("x", x), ("a", a), ("b", b), ("c", c), ("d", d), ("dt", dt)):
-        _expect_tensor(name, t)
+    batch, tokens, heads, head_size, groups, state_size = _check_scan_inputs(
+        {"x": x, "a": a, "b": b, "c": c, "dt": dt})
+    _expect_tensor("d", d)
+    _expect_shape("d", d, (heads,), "[heads]")
+    _expect_float("d", d)
     if init_state is not None:
         _expect_tensor("init_state", init_state)
-
-    _expect_rank("x", x, "[batch, tokens, heads, head_size]")
-    batch, tokens, heads, head_size = x.shape
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if batch < 1 or tokens < 1 or heads < 1 or head_size < 1:
-        raise ValueError(f"x [batch, tokens, heads, head_size] must have no empty dimension, got {tuple(x.shape)}")
-
-    _expect_rank("b", b, "[batch, tokens, groups, state_size]")
-    groups, state_size = b.shape[2], b.shape[3]
-    _expect_shape("b", b, (batch, tokens, groups, state_size), "[batch, tokens, groups, state_size] with x's batch and tokens")
-    _expect_shape("c", c, tuple(b.shape), "[batch, tokens, groups, state_size], the shape of b")
-    for name, t in (("b", b), ("c", c)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
-    if groups < 1 or heads % groups:
-        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups}), the third dimension of b and c")
-    if state_size < 1:
-        raise ValueError(f"state_size (last dimension of b and c) must be at least 1, got {state_size}")
-
-    _expect_shape("dt", dt, (batch, tokens, heads), "[batch, tokens, heads]")
-    _expect_shape("a", a, (heads,), "[heads]")
-    _expect_shape("d", d, (heads,), "[heads]")
-    for name, t in (("dt", dt), ("a", a), ("d", d)):
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if init_state is not None:
         _expect_shape("init_state", init_state, (batch, heads, head_size, state_size),
                       "[batch, heads, head_size, state_size]")
-        if not init_state.is_floating_point():
-            raise TypeError(f"init_state must be a floating-point tensor, got {init_state.dtype}")
+        _expect_float("init_state", init_state)
+    _check_chunk_size(chunk_size)
+    _check_device({"x": x, "a": a, "b": b, "c": c, "d": d, "dt": dt, "init_state": init_state},
+                  backend, head_size, state_size)
+    return ForwardArgs(
+        x.contiguous(), a.to(torch.float32).contiguous(), b.contiguous(), c.contiguous(),
+        d.to(torch.float32).contiguous(), dt.contiguous(),
+        None if init_state is None else init_state.to(torch.float32).contiguous(), chunk_size)
 
+
+def _check_scan_inputs(named: dict) -> tuple:
+    """x, a, b, c, dt under the caller's names -> (batch, tokens, heads, head_size, groups, state_size)."""
+    (nx, x), (na, a), (nb, b), (nc, c), (ndt, dt) = named.items()
+    for name, t in named.items():
+        _expect_tensor(name, t)
+    _expect_rank(nx, x, "[batch, tokens, heads, head_size]")
+    batch, tokens, heads, head_size = x.shape
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{nx} must be bfloat16, float16 or float32, got {x.dtype}")
+    if batch < 1 or tokens < 1 or heads < 1 or head_size < 1:
+        raise ValueError(f"{nx} [batch, tokens, heads, head_size] must have no empty dimension, got {tuple(x.shape)}")
+
+    _expect_rank(nb, b, "[batch, tokens, groups, state_size]")
+    groups, state_size = b.shape[2], b.shape[3]
+    _expect_shape(nb, b, (batch, tokens, groups, state_size),
+                  f"[batch, tokens, groups, state_size] with {nx}'s batch and tokens")
+    _expect_shape(nc, c, tuple(b.shape), f"[batch, tokens, groups, state_size], the shape of {nb}")
+    for name, t in ((nb, b), (nc, c)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have {nx}'s dtype {x.dtype}, got {t.dtype}")
+    if groups < 1 or heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups}), the third dimension of {nb} and {nc}")
+    if state_size < 1:
+        raise ValueError(f"state_size (last dimension of {nb} and {nc}) must be at least 1, got {state_size}")
+
+    _expect_shape(ndt, dt, (batch, tokens, heads), "[batch, tokens, heads]")
+    _expect_shape(na, a, (heads,), "[heads]")
+    for name, t in ((ndt, dt), (na, a)):
+        _expect_float(name, t)
+    return batch, tokens, heads, head_size, groups, state_size
+
+
+def _check_chunk_size(chunk_size):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
 
-    tensors = {"x": x, "a": a, "b": b, "c": c, "d": d, "dt": dt}
-    if init_state is not None:
-        tensors["init_state"] = init_state
+
+def _check_device(tensors: dict, backend: str, head_size: int, state_size: int):
+    tensors = {n: t for n, t in tensors.items() if t is not None}
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         where = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
         raise ValueError(f"all tensors must be on one device, got {where}")
     if backend == "cutile":
-        _check_cutile_limits(x.device, head_size, state_size)
-
-    return ForwardArgs(
-        x.contiguous(), a.to(torch.float32).contiguous(), b.contiguous(), c.contiguous(),
-        d.to(torch.float32).contiguous(), dt.contiguous(),
-        None if init_state is None else init_state.to(torch.float32).contiguous(), chunk_size)
+        _check_cutile_limits(next(iter(devices)), head_size, state_size)
 
 
 def _check_cutile_limits(device: torch.device, head_size: int, state_size: int):
@@ -108,6 +119,123 @@ def _expect_rank(name, t, layout):
         raise ValueError(f"{name} must be {layout} ({len(layout.split(','))} dimensions), got shape {tuple(t.shape)}")
 
 
+def _expect_float(name, t):
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
 def _expect_shape(name, t, shape, layout):
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must be {layout} = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+class ScanCombinedArgs(NamedTuple):
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    chunk_size: int
+    D: torch.Tensor | None
+    z: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    initial_states: torch.Tensor | None
+    seq_idx: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    dt_softplus: bool
+    dt_limit: tuple
+    return_final_states: bool
+    return_varlen_states: bool
+
+
+def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                             seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                             return_final_states=False, return_varlen_states=False, *,
+                             backend: str) -> ScanCombinedArgs:
+    """Checks the mamba_chunk_scan_combined contract (mamba_ssm's names and semantics).
+
+    The order of cu_seqlens and seq_idx is checked on the host, which reads them (one small
+    device-to-host copy each): a silently wrong answer costs more than that copy."""
+    batch, tokens, heads, head_size, groups, state_size = _check_scan_inputs(
+        {"x": x, "A": A, "B": B, "C": C, "dt": dt})
+    _check_chunk_size(chunk_size)
+    if D is not None:
+        _expect_tensor("D", D)
+        if tuple(D.shape) not in ((heads,), (heads, head_size)):
+            raise ValueError(f"D must be [heads] = {(heads,)} or [heads, head_size] = {(heads, head_size)}, "
+                             f"got {tuple(D.shape)}")
+        _expect_float("D", D)
+    if z is not None:
+        _expect_tensor("z", z)
+        _expect_shape("z", z, tuple(x.shape), "[batch, tokens, heads, head_size], the shape of x")
+        _expect_float("z", z)
+    if dt_bias is not None:
+        _expect_tensor("dt_bias", dt_bias)
+        _expect_shape("dt_bias", dt_bias, (heads,), "[heads]")
+        _expect_float("dt_bias", dt_bias)
+    if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in dt_limit)):
+        raise TypeError(f"dt_limit must be a pair of numbers (low, high), got {dt_limit!r}")
+    if not dt_limit[0] <= dt_limit[1]:
+        raise ValueError(f"dt_limit must have low <= high, got {tuple(dt_limit)}")
+    for name, flag in (("dt_softplus", dt_softplus), ("return_final_states", return_final_states),
+                       ("return_varlen_states", return_varlen_states)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+    num_sequences = None
+    if cu_seqlens is not None:
+        num_sequences = _check_cu_seqlens(cu_seqlens, batch, tokens)
+    elif return_varlen_states:
+        raise ValueError("return_varlen_states=True needs cu_seqlens, the sequences' start offsets")
+    if seq_idx is not None:
+        _check_seq_idx(seq_idx, batch, tokens)
+
+    if initial_states is not None:
+        _expect_tensor("initial_states", initial_states)
+        allowed = {(batch, heads, head_size, state_size)}
+        if num_sequences is not None:
+            allowed.add((num_sequences, heads, head_size, state_size))
+        if tuple(initial_states.shape) not in allowed:
+            layouts = " or ".join(str(s) for s in sorted(allowed))
+            raise ValueError(f"initial_states must be [batch, heads, head_size, state_size]"
+                             f"{' or [num_sequences, heads, head_size, state_size]' if num_sequences else ''}"
+                             f" = {layouts}, got {tuple(initial_states.shape)}")
+        _expect_float("initial_states", initial_states)
+
+    _check_device({"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
+                   "initial_states": initial_states, "seq_idx": seq_idx, "cu_seqlens": cu_seqlens},
+                  backend, head_size, state_size)
+
+    def f32(t):
+        return None if t is None else t.to(torch.float32).contiguous()
+
+    return ScanCombinedArgs(
+        x.contiguous(), dt.contiguous(), f32(A), B.contiguous(), C.contiguous(), chunk_size, f32(D),
+        None if z is None else z.contiguous(), f32(dt_bias), f32(initial_states),
+        None if seq_idx is None else seq_idx.contiguous(),
+        None if cu_seqlens is None else cu_seqlens.contiguous(),
+        dt_softplus, (float(dt_limit[0]), float(dt_limit[1])), return_final_states, return_varlen_states)
+
+
+def _check_cu_seqlens(cu_seqlens, batch, tokens) -> int:
+    _expect_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor [num_sequences + 1] of start "
+                         f"offsets, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences along tokens and needs batch 1, got batch {batch}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != tokens or any(e <= s for s, e in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, rise strictly (every sequence at least one token) "
+                         f"and end at tokens = {tokens}, got {offsets if len(offsets) <= 12 else '[...]'}")
+    return len(offsets) - 1
+
+
+def _check_seq_idx(seq_idx, batch, tokens):
+    _expect_tensor("seq_idx", seq_idx)
+    if seq_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"seq_idx must be an int32 or int64 tensor, got {seq_idx.dtype}")
+    _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, tokens]")
+    if tokens > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        raise ValueError("seq_idx must be sorted along tokens (each sequence one contiguous run of tokens)")

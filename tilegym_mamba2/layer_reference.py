@@ -1,0 +1,144 @@
+"""The full Mamba-2 layer interface, ``mamba_chunk_scan_combined``, in plain PyTorch.
+
+Same arguments and semantics as mamba_ssm's function of that name (forward):
+
+* dt is raw: ``dt = clamp(softplus?(dt + dt_bias), *dt_limit)`` (softplus only when
+  ``dt_softplus``; it passes values above 20 through, as mamba_ssm does);
+* D is per head [heads] or per channel [heads, head_size]; with z, ``out = y * silu(z)``;
+* packed batches: ``seq_idx`` [batch, tokens] gives each token's sequence (sorted along
+  tokens); ``cu_seqlens`` [num_sequences + 1] gives batch 1's start offsets (and, without
+  seq_idx, defines it). No state crosses from one sequence to the next. ``initial_states``
+  [batch, ...] starts each row's first sequence, as in mamba_ssm; with cu_seqlens it may also
+  be [num_sequences, ...], one initial state per sequence.
+
+``layer_token_recurrence`` is the float64 ground truth; ``mamba_chunk_scan_combined_pytorch``
+is the "pytorch" backend, which runs the chunked reference on each sequence in fp32.
+"""
+import torch
+import torch.nn.functional as F
+
+from .reference import chunked_forward_reference
+from .validation import check_scan_combined_args
+
+
+def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), dtype=torch.float32):
+    """Raw dt [batch, tokens, heads] -> the dt the recurrence uses."""
+    dt = dt.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt, threshold=20.0)
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens, tokens):
+    """[num_sequences + 1] start offsets -> [1, tokens] sequence index of each token."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
+    return torch.repeat_interleave(ids, lengths, output_size=tokens)[None]
+
+
+def sequence_runs(seq_idx, batch, tokens):
+    """-> per batch row, a list of (start, end) token ranges, one per sequence (host lists)."""
+    if seq_idx is None:
+        return [[(0, tokens)] for _ in range(batch)]
+    runs = []
+    for row in seq_idx.cpu().tolist():
+        starts = [0] + [t for t in range(1, tokens) if row[t] != row[t - 1]]
+        runs.append(list(zip(starts, starts[1:] + [tokens])))
+    return runs
+
+
+def _start_state(initial_states, row, run, num_runs_before, per_sequence):
+    """The state a sequence starts from: its own initial state, the row's for the row's first
+    sequence, or None (zeros)."""
+    if initial_states is None:
+        return None
+    if per_sequence:
+        return initial_states[num_runs_before + run][None]
+    return initial_states[row][None] if run == 0 else None
+
+
+def _returns(out, final_states, varlen_states, return_final_states, return_varlen_states):
+    # mamba_ssm's return convention.
+    if return_varlen_states:
+        return (out, final_states, varlen_states) if return_final_states else (out, varlen_states)
+    return (out, final_states) if return_final_states else out
+
+
+def layer_token_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                           cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """Token by token in float64 -> (out, final_states [batch, ...], varlen_states [num_sequences, ...]
+    or None). The definition of the layer op; validation is left to the callers."""
+    f64 = torch.float64
+    batch, tokens, heads, head_size = x.shape
+    if seq_idx is None and cu_seqlens is not None:
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=f64)
+    rep = heads // B.shape[2]
+    x64, A64 = x.to(f64), A.to(f64)
+    B64, C64 = B.to(f64).repeat_interleave(rep, 2), C.to(f64).repeat_interleave(rep, 2)
+    num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    per_sequence = initial_states is not None and num_seqs is not None and initial_states.shape[0] == num_seqs \
+        and num_seqs != batch
+    out = torch.empty(batch, tokens, heads, head_size, dtype=f64, device=x.device)
+    final_states = x.new_zeros(batch, heads, head_size, B.shape[3], dtype=f64)
+    varlen = []
+    done = 0
+    for row, runs in enumerate(sequence_runs(seq_idx, batch, tokens)):
+        for run, (start, end) in enumerate(runs):
+            init = _start_state(initial_states, row, run, done, per_sequence)
+            h = torch.zeros_like(final_states[0]) if init is None else init[0].to(f64)
+            for t in range(start, end):
+                d_t = dt[row, t, :, None, None]
+                h = torch.exp(A64[:, None, None] * d_t) * h + d_t * x64[row, t, :, :, None] * B64[row, t, :, None, :]
+                out[row, t] = torch.einsum("hpn,hn->hp", h, C64[row, t])
+            varlen.append(h)
+            final_states[row] = h
+        done += len(runs)
+    if D is not None:
+        out = out + (D.to(f64)[:, None] if D.ndim == 1 else D.to(f64)) * x64
+    if z is not None:
+        out = out * F.silu(z.to(f64))
+    return out, final_states, (torch.stack(varlen) if cu_seqlens is not None else None)
+
+
+def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                                      initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                                      dt_limit=(0.0, float("inf")), return_final_states=False,
+                                      return_varlen_states=False):
+    """The "pytorch" backend: the chunked reference in fp32, one sequence at a time."""
+    args = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                    cu_seqlens, dt_softplus, dt_limit, return_final_states,
+                                    return_varlen_states, backend="pytorch")
+    x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = args[:12]
+    batch, tokens, heads, head_size = x.shape
+    if seq_idx is None and cu_seqlens is not None:
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
+    dt = process_dt(dt, dt_bias, args.dt_softplus, args.dt_limit)
+    num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    per_sequence = initial_states is not None and num_seqs is not None and initial_states.shape[0] == num_seqs \
+        and num_seqs != batch
+    no_skip = torch.zeros(heads, dtype=torch.float32, device=x.device)
+
+    out = torch.empty(batch, tokens, heads, head_size, dtype=torch.float32, device=x.device)
+    final_states = torch.zeros(batch, heads, head_size, B.shape[3], dtype=torch.float32, device=x.device)
+    varlen = []
+    done = 0
+    for row, runs in enumerate(sequence_runs(seq_idx, batch, tokens)):
+        for run, (start, end) in enumerate(runs):
+            init = _start_state(initial_states, row, run, done, per_sequence)
+            part = slice(row, row + 1), slice(start, end)
+            y, h = chunked_forward_reference(x[part], A, B[part], C[part], no_skip, dt[part], init, chunk_size,
+                                             dtype=torch.float32)
+            out[part] = y
+            varlen.append(h[0])
+            final_states[row] = h[0]
+        done += len(runs)
+    if D is not None:
+        out = out + (D[:, None] if D.ndim == 1 else D) * x.float()
+    if z is not None:
+        out = out * F.silu(z.float())
+    varlen_states = torch.stack(varlen) if cu_seqlens is not None else None
+    return _returns(out.to(x.dtype), final_states, varlen_states, args.return_final_states,
+                    args.return_varlen_states)
