@@ -28,6 +28,9 @@ def main(argv=None):
                        help="seconds after which tilegym's (slow to tune) op is no longer started")
     bench.add_argument("--json", default="bench.json")
     bench.add_argument("--png", help="also plot time against tokens (needs matplotlib)")
+    tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
+    tune.add_argument("--shapes", nargs="*", default=None,
+                      help="B,T,G,H,N,P each (default: the benchmark's shapes)")
     sub.add_parser("registry", help="the ops this plugin adds to tilegym")
     args = parser.parse_args(argv)
     command = args.command or "run"
@@ -39,6 +42,8 @@ def main(argv=None):
         return compile_all(args.target)
     if command == "bench":
         return bench_cmd(args)
+    if command == "tune":
+        return tune_cmd(args)
     if command == "registry":
         return registry()
 
@@ -108,6 +113,17 @@ def bench_cmd(args) -> int:
     print(bench.table(result))
     if args.png:
         bench.plot(result, args.png)
+    return 0
+
+
+def tune_cmd(args) -> int:
+    from .bench import GRID_SHAPES
+    from .cutile import pretune
+    if not torch.cuda.is_available():
+        print("tune needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
+        return 1
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else GRID_SHAPES
+    pretune(shapes)
     return 0
 
 

@@ -145,3 +145,18 @@ def test_source_example():
     out, final_state = tilegym.ops.mamba2_chunk_forward(**fwd_inputs)
     ref_out, ref_final = chunked_forward_reference(**fwd_inputs)
     assert rel_err(out, ref_out) < 1e-2 and rel_err(final_state, ref_final) < 1e-2
+
+
+def test_tuning_measures_once_per_bucket_and_stays_correct(tmp_path, monkeypatch, capsys):
+    from tilegym_mamba2.cutile import tuning
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "1")
+    monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
+    spec, inputs = sample(2, 3000, 1, 8, 128, 64, 128)
+    out, final_state = tilegym_mamba2.mamba2_chunk_forward(**forward_inputs(inputs))
+    assert "tuning" in capsys.readouterr().err and (tmp_path / "configs.json").exists()
+    assert rel_err(out, inputs["out"]) < 1e-2 and rel_err(final_state, inputs["final_state"]) < 1e-2
+    spec, inputs = sample(2, 4000, 1, 8, 128, 64, 128)   # same bucket: nothing is measured again
+    with poisoned_outputs():
+        out, _ = tilegym_mamba2.mamba2_chunk_forward(**forward_inputs(inputs))
+    assert "tuning" not in capsys.readouterr().err
+    assert rel_err(out, inputs["out"]) < 1e-2

@@ -12,7 +12,7 @@ from ..validation import check_forward_args
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
-from .tuning import Config, choose_config
+from .tuning import Config, bucket_key, choose_config, tuned_config
 
 
 @dataclass
@@ -34,9 +34,8 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
 
 def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None = None) -> Stages:
     """Runs the three stages on already-checked arguments."""
-    batch, tokens, heads, head_size = x.shape
     if config is None:
-        config = choose_config(batch, tokens, heads, head_size, b.shape[3], chunk_size, x.device)
+        config = config_for(x, a, b, c, d, dt, init_state, chunk_size)
     # The kernels may cut chunks shorter than asked (config.chunk_size): the recurrence, and so
     # the result, does not depend on the chunk length.
     chunk = config.chunk_size
@@ -44,3 +43,37 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config)
     out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config)
     return Stages(config, dt_bht, decay_cumsum, entry_states, final_state, out)
+
+
+def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None = None) -> Config:
+    """The heuristic config, or the measured one for this shape's bucket (see tuning.py)."""
+    batch, tokens, heads, head_size = x.shape
+    groups, state_size = b.shape[2], b.shape[3]
+    base = choose_config(batch, tokens, heads, head_size, state_size, chunk_size, x.device)
+    key = bucket_key(torch.cuda.get_device_name(x.device), x.dtype, batch, tokens, heads, groups,
+                     head_size, state_size, chunk_size)
+    args = (x, a, b, c, d, dt, init_state, chunk_size)
+    return tuned_config(key, base, lambda config: _milliseconds(args, config), tune=tune)
+
+
+def _milliseconds(args, config, reps=10) -> float:
+    run_stages(*args, config=config)  # warm-up; the candidates share compiled kernels
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run_stages(*args, config=config)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def pretune(shapes, dtype=torch.bfloat16, chunk_size=128):
+    """Tunes (and saves) the config of each (batch, tokens, groups, heads, state_size, head_size)
+    ahead of time, on random inputs, printing progress."""
+    from ..testing import Mamba2ProblemSpec, forward_inputs
+    for batch, tokens, groups, heads, state_size, head_size in shapes:
+        spec = Mamba2ProblemSpec(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
+                                 state_size=state_size, head_size=head_size, chunk_size=chunk_size,
+                                 dtype=dtype, device="cuda")
+        inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+        config_for(*check_forward_args(**inputs, backend="cutile"), tune=True)

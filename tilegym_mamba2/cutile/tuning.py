@@ -41,3 +41,116 @@ def _multiprocessor_count(device) -> int:
     if device is None or not torch.cuda.is_available():
         return 132  # an H100/H200; only used for sizing when no GPU is queried
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------- measured choices
+#
+# Only the segment length is searched at call time: it is a runtime argument of the kernels,
+# so trying three values compiles nothing more and costs a few milliseconds. The winner is
+# kept per (GPU, dtype, size bucket) in memory and in a JSON file, so a new token count in
+# the same bucket, or a new process, tunes nothing again.
+#
+#   TILEGYM_MAMBA2_TUNE=1           measure on the first call of a new bucket (default: off, the
+#                                   heuristic alone, until the tuner has run on a GPU)
+#   TILEGYM_MAMBA2_CACHE_DIR=path   where configs.json lives (default ~/.cache/tilegym-mamba2)
+
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("TILEGYM_MAMBA2_TUNE", "0") == "1"
+
+
+def cache_path() -> str:
+    root = os.environ.get("TILEGYM_MAMBA2_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                       "tilegym-mamba2")
+    return os.path.join(root, "configs.json")
+
+
+def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_size, chunk_size) -> str:
+    """Shapes that share a key share a config: batch*heads and tokens by power of two."""
+    def pow2(n):
+        return 1 << max(0, (n - 1).bit_length())
+    return (f"{gpu}|{str(dtype).removeprefix('torch.')}|bh{pow2(batch * heads)}|t{pow2(tokens)}"
+            f"|hpg{heads // groups}|P{head_size}|N{state_size}|L{chunk_size}")
+
+
+class ConfigCache:
+    """configs.json: bucket key -> Config fields. Read once, written after each new entry."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or cache_path()
+        self._entries = None
+
+    def _load(self) -> dict:
+        if self._entries is None:
+            try:
+                with open(self.path) as f:
+                    self._entries = json.load(f)
+            except FileNotFoundError:
+                self._entries = {}
+            except (OSError, ValueError) as e:
+                print(f"[tilegym-mamba2] ignoring unreadable tuning cache {self.path}: {e}", file=sys.stderr)
+                self._entries = {}
+        return self._entries
+
+    def get(self, key: str) -> Config | None:
+        fields = self._load().get(key)
+        try:
+            return Config(**fields) if fields else None
+        except TypeError:  # written by another version
+            return None
+
+    def put(self, key: str, config: Config) -> None:
+        self._load()[key] = asdict(config)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self._entries, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)  # atomic: concurrent processes never read half a file
+        except OSError as e:
+            print(f"[tilegym-mamba2] could not save the tuning cache {self.path}: {e}", file=sys.stderr)
+
+
+_cache = None
+
+
+def _default_cache() -> ConfigCache:
+    global _cache
+    if _cache is None or _cache.path != cache_path():
+        _cache = ConfigCache()
+    return _cache
+
+
+def candidates(base: Config) -> list[Config]:
+    """The segment lengths worth trying around the heuristic's choice."""
+    lengths = sorted({max(1, base.chunks_per_segment // 2), base.chunks_per_segment,
+                      base.chunks_per_segment * 2})
+    return [replace(base, chunks_per_segment=k) for k in lengths]
+
+
+def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
+                 cache: ConfigCache | None = None, log=None) -> Config:
+    """The cached config for ``key``; else, when tuning, the fastest candidate by ``measure``
+    (config -> milliseconds), saved; else ``base``."""
+    cache = cache or _default_cache()
+    found = cache.get(key)
+    if found is not None:
+        return found
+    if not (tuning_enabled() if tune is None else tune):
+        return base
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log(f"[tilegym-mamba2] tuning {key}")
+    timed = []
+    for i, config in enumerate(candidates(base), 1):
+        ms = measure(config)
+        timed.append((ms, config.chunks_per_segment, config))
+        log(f"[tilegym-mamba2]   {i}/{len(candidates(base))} chunks_per_segment={config.chunks_per_segment}: {ms:.3f} ms")
+    best = min(timed)[2]
+    log(f"[tilegym-mamba2]   -> chunks_per_segment={best.chunks_per_segment}, saved to {cache.path}")
+    cache.put(key, best)
+    return best

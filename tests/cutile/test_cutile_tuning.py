@@ -1,0 +1,89 @@
+"""Tuning bookkeeping on the CPU: buckets, the disk cache, the switch and progress output.
+The measurement itself runs on a GPU (config_for / pretune); here it is a fake timer."""
+import json
+
+import pytest
+import torch
+
+from tilegym_mamba2.cutile.tuning import (Config, ConfigCache, bucket_key, candidates, choose_config,
+                                          tuned_config)
+
+
+def key(tokens, batch=4, heads=8):
+    return bucket_key("NVIDIA H200", torch.bfloat16, batch, tokens, heads, 1, 64, 128, 128)
+
+
+class FakeTimer:
+    """Pretends chunks_per_segment == best is fastest; counts measurements."""
+
+    def __init__(self, best):
+        self.best, self.calls = best, 0
+
+    def __call__(self, config):
+        self.calls += 1
+        return 0.1 + abs(config.chunks_per_segment - self.best)
+
+
+BASE = choose_config(4, 16384, 8, 64, 128, 128)
+
+
+def test_same_bucket_for_token_counts_up_to_the_next_power_of_two():
+    assert key(9000) == key(16384) == key(12345)
+    assert key(16385) != key(16384)
+    assert key(16384, batch=3) == key(16384)                # batch*heads by power of two
+    assert key(16384, batch=8) != key(16384)
+    assert bucket_key("NVIDIA H100", torch.bfloat16, 4, 16384, 8, 1, 64, 128, 128) != key(16384)
+    assert bucket_key("NVIDIA H200", torch.float16, 4, 16384, 8, 1, 64, 128, 128) != key(16384)
+
+
+def test_candidates_vary_only_the_runtime_segment_length():
+    found = candidates(BASE)
+    assert [c.chunks_per_segment for c in found] == sorted({max(1, BASE.chunks_per_segment // 2),
+                                                          BASE.chunks_per_segment, 2 * BASE.chunks_per_segment})
+    for c in found:  # everything that would need a new compile stays as the heuristic chose
+        assert (c.chunk_size, c.state_head_tile, c.state_tile, c.out_head_tile) == \
+               (BASE.chunk_size, BASE.state_head_tile, BASE.state_tile, BASE.out_head_tile)
+
+
+def test_tunes_once_per_bucket_and_persists_across_processes(tmp_path, capsys):
+    path = str(tmp_path / "configs.json")
+    timer = FakeTimer(best=2 * BASE.chunks_per_segment)
+    first = tuned_config(key(16384), BASE, timer, tune=True, cache=ConfigCache(path))
+    assert first.chunks_per_segment == 2 * BASE.chunks_per_segment
+    assert timer.calls == len(candidates(BASE))
+    err = capsys.readouterr().err
+    assert "tuning" in err and f"1/{len(candidates(BASE))}" in err and "saved" in err  # progress
+
+    again = tuned_config(key(10000), BASE, timer, tune=True, cache=ConfigCache(path))  # a "new process"
+    assert again == first and timer.calls == len(candidates(BASE))
+    saved = json.load(open(path))
+    assert saved[key(16384)]["chunks_per_segment"] == first.chunks_per_segment
+
+
+def test_switch_off_measures_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
+    timer = FakeTimer(best=1)
+    got = tuned_config(key(4096), BASE, timer, cache=ConfigCache(str(tmp_path / "c.json")))
+    assert got == BASE and timer.calls == 0
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "1")
+    got = tuned_config(key(4096), BASE, timer, cache=ConfigCache(str(tmp_path / "c.json")), log=lambda m: None)
+    assert timer.calls == len(candidates(BASE)) and got.chunks_per_segment == min(
+        c.chunks_per_segment for c in candidates(BASE))
+
+
+def test_unreadable_or_foreign_cache_is_ignored(tmp_path, capsys):
+    path = tmp_path / "configs.json"
+    path.write_text("{not json")
+    timer = FakeTimer(best=BASE.chunks_per_segment)
+    got = tuned_config(key(2048), BASE, timer, tune=False, cache=ConfigCache(str(path)))
+    assert got == BASE and "ignoring unreadable" in capsys.readouterr().err
+    path.write_text(json.dumps({key(2048): {"chunks_per_segment": 3, "some_old_field": 1}}))
+    assert tuned_config(key(2048), BASE, timer, tune=False, cache=ConfigCache(str(path))) == BASE
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    from tilegym_mamba2.cutile import tuning
+    monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
+    assert tuning.cache_path() == str(tmp_path / "configs.json")
+    tuned_config(key(1024), BASE, FakeTimer(best=1), tune=True, log=lambda m: None)
+    assert (tmp_path / "configs.json").exists()
