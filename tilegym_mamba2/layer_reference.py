@@ -7,9 +7,10 @@ Same arguments and semantics as mamba_ssm's function of that name (forward):
 * D is per head [heads] or per channel [heads, head_size]; with z, ``out = y * silu(z)``;
 * packed batches: ``seq_idx`` [batch, tokens] gives each token's sequence (sorted along
   tokens); ``cu_seqlens`` [num_sequences + 1] gives batch 1's start offsets (and, without
-  seq_idx, defines it). No state crosses from one sequence to the next. ``initial_states``
-  [batch, ...] starts each row's first sequence, as in mamba_ssm; with cu_seqlens it may also
-  be [num_sequences, ...], one initial state per sequence.
+  seq_idx, defines it; with it, must agree). No state crosses from one sequence to the next.
+  ``initial_states`` [batch, ...] starts each row's sequence with id 0, as in mamba_ssm; with
+  cu_seqlens it may also be [num_sequences, ...], one initial state per sequence.
+* returns out (x's dtype), final_states (fp32) and varlen_states (C's dtype), as mamba_ssm.
 
 ``layer_token_recurrence`` is the float64 ground truth; ``mamba_chunk_scan_combined_pytorch``
 is the "pytorch" backend, which runs the chunked reference on each sequence in fp32.
@@ -39,24 +40,24 @@ def seq_idx_from_cu_seqlens(cu_seqlens, tokens):
 
 
 def sequence_runs(seq_idx, batch, tokens):
-    """-> per batch row, a list of (start, end) token ranges, one per sequence (host lists)."""
+    """-> per batch row, a list of (start, end, sequence id) token ranges (host lists)."""
     if seq_idx is None:
-        return [[(0, tokens)] for _ in range(batch)]
+        return [[(0, tokens, 0)] for _ in range(batch)]
     runs = []
     for row in seq_idx.cpu().tolist():
         starts = [0] + [t for t in range(1, tokens) if row[t] != row[t - 1]]
-        runs.append(list(zip(starts, starts[1:] + [tokens])))
+        runs.append([(s, e, row[s]) for s, e in zip(starts, starts[1:] + [tokens])])
     return runs
 
 
-def _start_state(initial_states, row, run, num_runs_before, per_sequence):
-    """The state a sequence starts from: its own initial state, the row's for the row's first
-    sequence, or None (zeros)."""
+def _start_state(initial_states, row, run, seq_id, per_sequence):
+    """The state a sequence starts from: its own initial state (per_sequence, batch 1), the
+    row's for the sequence with id 0 (mamba_ssm's rule), or None (zeros)."""
     if initial_states is None:
         return None
     if per_sequence:
-        return initial_states[num_runs_before + run][None]
-    return initial_states[row][None] if run == 0 else None
+        return initial_states[run][None]
+    return initial_states[row][None] if run == 0 and seq_id == 0 else None
 
 
 def _returns(out, final_states, varlen_states, return_final_states, return_varlen_states):
@@ -84,10 +85,9 @@ def layer_token_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial
     out = torch.empty(batch, tokens, heads, head_size, dtype=f64, device=x.device)
     final_states = x.new_zeros(batch, heads, head_size, B.shape[3], dtype=f64)
     varlen = []
-    done = 0
     for row, runs in enumerate(sequence_runs(seq_idx, batch, tokens)):
-        for run, (start, end) in enumerate(runs):
-            init = _start_state(initial_states, row, run, done, per_sequence)
+        for run, (start, end, seq_id) in enumerate(runs):
+            init = _start_state(initial_states, row, run, seq_id, per_sequence)
             h = torch.zeros_like(final_states[0]) if init is None else init[0].to(f64)
             for t in range(start, end):
                 d_t = dt[row, t, :, None, None]
@@ -95,7 +95,6 @@ def layer_token_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial
                 out[row, t] = torch.einsum("hpn,hn->hp", h, C64[row, t])
             varlen.append(h)
             final_states[row] = h
-        done += len(runs)
     if D is not None:
         out = out + (D.to(f64)[:, None] if D.ndim == 1 else D.to(f64)) * x64
     if z is not None:
@@ -124,21 +123,20 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
     out = torch.empty(batch, tokens, heads, head_size, dtype=torch.float32, device=x.device)
     final_states = torch.zeros(batch, heads, head_size, B.shape[3], dtype=torch.float32, device=x.device)
     varlen = []
-    done = 0
     for row, runs in enumerate(sequence_runs(seq_idx, batch, tokens)):
-        for run, (start, end) in enumerate(runs):
-            init = _start_state(initial_states, row, run, done, per_sequence)
+        for run, (start, end, seq_id) in enumerate(runs):
+            init = _start_state(initial_states, row, run, seq_id, per_sequence)
             part = slice(row, row + 1), slice(start, end)
             y, h = chunked_forward_reference(x[part], A, B[part], C[part], no_skip, dt[part], init, chunk_size,
                                              dtype=torch.float32)
             out[part] = y
             varlen.append(h[0])
             final_states[row] = h[0]
-        done += len(runs)
     if D is not None:
         out = out + (D[:, None] if D.ndim == 1 else D) * x.float()
     if z is not None:
         out = out * F.silu(z.float())
-    varlen_states = torch.stack(varlen) if cu_seqlens is not None else None
+    # mamba_ssm returns the per-sequence states in C's dtype (the final states in fp32).
+    varlen_states = torch.stack(varlen).to(C.dtype) if cu_seqlens is not None else None
     return _returns(out.to(x.dtype), final_states, varlen_states, args.return_final_states,
                     args.return_varlen_states)

@@ -190,6 +190,12 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
         raise ValueError("return_varlen_states=True needs cu_seqlens, the sequences' start offsets")
     if seq_idx is not None:
         _check_seq_idx(seq_idx, batch, tokens)
+        if cu_seqlens is not None:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
+            expected = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+            if not torch.equal(seq_idx[0].cpu().long(), expected):
+                raise ValueError("seq_idx and cu_seqlens disagree: with both given, seq_idx must number the "
+                                 "sequences of cu_seqlens 0, 1, 2, ... in order")
 
     if initial_states is not None:
         _expect_tensor("initial_states", initial_states)
