@@ -28,6 +28,8 @@ def main(argv=None):
                        help="seconds after which tilegym's (slow to tune) op is no longer started")
     bench.add_argument("--json", default="bench.json")
     bench.add_argument("--png", help="also plot time against tokens (needs matplotlib)")
+    bench.add_argument("--stages", action="store_true",
+                       help="instead: time each stage of our op alone, next to the whole call")
     tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
     tune.add_argument("--shapes", nargs="*", default=None,
                       help="B,T,G,H,N,P each (default: the benchmark's shapes)")
@@ -108,6 +110,9 @@ def bench_cmd(args) -> int:
         print("bench needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
         return 1
     shapes = bench.GRID_SHAPES if args.grid else bench.ANCHOR_SHAPES
+    if args.stages:
+        bench.stage_times(shapes)
+        return 0
     result = bench.run(shapes, only=args.only, tilegym_shapes=args.tilegym_shapes, out_json=args.json,
                        time_budget_s=args.time_budget)
     print(bench.table(result))

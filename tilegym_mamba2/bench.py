@@ -174,6 +174,39 @@ def _bench_shape(shape, impls, bandwidth, result, log):
     torch.cuda.empty_cache()
 
 
+def stage_times(shapes, log=print):
+    """Our op stage by stage (median ms each, L2 flushed), next to the whole call: where the
+    time goes, and how much of the call is host work between launches."""
+    import importlib
+    from .cutile import config_for
+    from .validation import check_forward_args
+    stages = {n: importlib.import_module(f"tilegym_mamba2.cutile.{n}")
+              for n in ("chunk_cumsum", "fwd_pass_state", "compute_out")}
+    from . import mamba2_chunk_forward
+    rows = []
+    for shape in shapes:
+        batch, tokens, groups, heads, state, head = shape
+        spec = Mamba2ProblemSpec(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
+                                 state_size=state, head_size=head, chunk_size=128, device="cuda")
+        inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+        x, a, b, c, d, dt, init, _ = args = check_forward_args(**inputs, backend="cutile")
+        config = config_for(*args)
+        chunk = config.chunk_size
+        dt_bht, g = stages["chunk_cumsum"].chunk_cumsum(dt, a, chunk)
+        entry, _ = stages["fwd_pass_state"].fwd_pass_state(x, b, dt_bht, g, init, chunk, config)
+        times = dict(
+            chunk_cumsum=measure(lambda: stages["chunk_cumsum"].chunk_cumsum(dt, a, chunk)),
+            fwd_pass_state=measure(lambda: stages["fwd_pass_state"].fwd_pass_state(x, b, dt_bht, g, init, chunk,
+                                                                                   config)),
+            compute_out=measure(lambda: stages["compute_out"].compute_out(x, b, c, d, dt_bht, g, entry, chunk,
+                                                                          config)),
+            whole_call=measure(lambda: mamba2_chunk_forward(**inputs)))
+        rows.append(dict(shape=shape, config=asdict(config), ms=times))
+        log(f"{str(shape):34s} " + "  ".join(f"{k} {v:.3f}" for k, v in times.items())
+            + f"  (stages sum {sum(v for k, v in times.items() if k != 'whole_call'):.3f} ms) {config}")
+    return rows
+
+
 def _format(row, shape, bandwidth):
     if row.ms is None:
         return f"{str(shape):34s} {row.impl:10s} {row.note}"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .reference import chunked_forward_reference
-from .validation import check_scan_combined_args
+from .validation import check_scan_combined_args, seq_idx_from_cu_seqlens
 
 
 def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), dtype=torch.float32):
@@ -30,13 +30,6 @@ def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))
     if dt_softplus:
         dt = F.softplus(dt, threshold=20.0)
     return dt.clamp(min=dt_limit[0], max=dt_limit[1])
-
-
-def seq_idx_from_cu_seqlens(cu_seqlens, tokens):
-    """[num_sequences + 1] start offsets -> [1, tokens] sequence index of each token."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    ids = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
-    return torch.repeat_interleave(ids, lengths, output_size=tokens)[None]
 
 
 def sequence_runs(seq_idx, batch, tokens):
@@ -50,14 +43,24 @@ def sequence_runs(seq_idx, batch, tokens):
     return runs
 
 
-def _start_state(initial_states, row, run, seq_id, per_sequence):
-    """The state a sequence starts from: its own initial state (per_sequence, batch 1), the
-    row's for the sequence with id 0 (mamba_ssm's rule), or None (zeros)."""
-    if initial_states is None:
-        return None
-    if per_sequence:
-        return initial_states[run][None]
-    return initial_states[row][None] if run == 0 and seq_id == 0 else None
+def _sequences(seq_idx, cu_seqlens, initial_states, batch, tokens):
+    """Yields (row, start, end, starting state or None) for every packed sequence. A sequence
+    starts from its own initial state ([num_sequences, ...] with cu_seqlens), from its row's
+    when its id is 0 (mamba_ssm's rule), else from zeros."""
+    if seq_idx is None and cu_seqlens is not None:
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
+    num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    per_sequence = (initial_states is not None and num_seqs is not None and num_seqs != batch
+                    and initial_states.shape[0] == num_seqs)
+    for row, runs in enumerate(sequence_runs(seq_idx, batch, tokens)):
+        for run, (start, end, seq_id) in enumerate(runs):
+            if initial_states is None:
+                init = None
+            elif per_sequence:
+                init = initial_states[run][None]
+            else:
+                init = initial_states[row][None] if run == 0 and seq_id == 0 else None
+            yield row, start, end, init
 
 
 def _returns(out, final_states, varlen_states, return_final_states, return_varlen_states):
@@ -73,28 +76,21 @@ def layer_token_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial
     or None). The definition of the layer op; validation is left to the callers."""
     f64 = torch.float64
     batch, tokens, heads, head_size = x.shape
-    if seq_idx is None and cu_seqlens is not None:
-        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=f64)
     rep = heads // B.shape[2]
     x64, A64 = x.to(f64), A.to(f64)
     B64, C64 = B.to(f64).repeat_interleave(rep, 2), C.to(f64).repeat_interleave(rep, 2)
-    num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
-    per_sequence = initial_states is not None and num_seqs is not None and initial_states.shape[0] == num_seqs \
-        and num_seqs != batch
     out = torch.empty(batch, tokens, heads, head_size, dtype=f64, device=x.device)
     final_states = x.new_zeros(batch, heads, head_size, B.shape[3], dtype=f64)
     varlen = []
-    for row, runs in enumerate(sequence_runs(seq_idx, batch, tokens)):
-        for run, (start, end, seq_id) in enumerate(runs):
-            init = _start_state(initial_states, row, run, seq_id, per_sequence)
-            h = torch.zeros_like(final_states[0]) if init is None else init[0].to(f64)
-            for t in range(start, end):
-                d_t = dt[row, t, :, None, None]
-                h = torch.exp(A64[:, None, None] * d_t) * h + d_t * x64[row, t, :, :, None] * B64[row, t, :, None, :]
-                out[row, t] = torch.einsum("hpn,hn->hp", h, C64[row, t])
-            varlen.append(h)
-            final_states[row] = h
+    for row, start, end, init in _sequences(seq_idx, cu_seqlens, initial_states, batch, tokens):
+        h = torch.zeros_like(final_states[0]) if init is None else init[0].to(f64)
+        for t in range(start, end):
+            d_t = dt[row, t, :, None, None]
+            h = torch.exp(A64[:, None, None] * d_t) * h + d_t * x64[row, t, :, :, None] * B64[row, t, :, None, :]
+            out[row, t] = torch.einsum("hpn,hn->hp", h, C64[row, t])
+        varlen.append(h)
+        final_states[row] = h
     if D is not None:
         out = out + (D.to(f64)[:, None] if D.ndim == 1 else D.to(f64)) * x64
     if z is not None:
@@ -112,26 +108,19 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
                                     return_varlen_states, backend="pytorch")
     x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = args[:12]
     batch, tokens, heads, head_size = x.shape
-    if seq_idx is None and cu_seqlens is not None:
-        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
     dt = process_dt(dt, dt_bias, args.dt_softplus, args.dt_limit)
-    num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
-    per_sequence = initial_states is not None and num_seqs is not None and initial_states.shape[0] == num_seqs \
-        and num_seqs != batch
     no_skip = torch.zeros(heads, dtype=torch.float32, device=x.device)
 
     out = torch.empty(batch, tokens, heads, head_size, dtype=torch.float32, device=x.device)
     final_states = torch.zeros(batch, heads, head_size, B.shape[3], dtype=torch.float32, device=x.device)
     varlen = []
-    for row, runs in enumerate(sequence_runs(seq_idx, batch, tokens)):
-        for run, (start, end, seq_id) in enumerate(runs):
-            init = _start_state(initial_states, row, run, seq_id, per_sequence)
-            part = slice(row, row + 1), slice(start, end)
-            y, h = chunked_forward_reference(x[part], A, B[part], C[part], no_skip, dt[part], init, chunk_size,
-                                             dtype=torch.float32)
-            out[part] = y
-            varlen.append(h[0])
-            final_states[row] = h[0]
+    for row, start, end, init in _sequences(seq_idx, cu_seqlens, initial_states, batch, tokens):
+        part = slice(row, row + 1), slice(start, end)
+        y, h = chunked_forward_reference(x[part], A, B[part], C[part], no_skip, dt[part], init, chunk_size,
+                                         dtype=torch.float32)
+        out[part] = y
+        varlen.append(h[0])
+        final_states[row] = h[0]
     if D is not None:
         out = out + (D[:, None] if D.ndim == 1 else D) * x.float()
     if z is not None:

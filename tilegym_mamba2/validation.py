@@ -191,9 +191,7 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     if seq_idx is not None:
         _check_seq_idx(seq_idx, batch, tokens)
         if cu_seqlens is not None:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
-            expected = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-            if not torch.equal(seq_idx[0].cpu().long(), expected):
+            if not torch.equal(seq_idx.long(), seq_idx_from_cu_seqlens(cu_seqlens, tokens).long()):
                 raise ValueError("seq_idx and cu_seqlens disagree: with both given, seq_idx must number the "
                                  "sequences of cu_seqlens 0, 1, 2, ... in order")
 
@@ -245,3 +243,10 @@ def _check_seq_idx(seq_idx, batch, tokens):
     _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, tokens]")
     if tokens > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
         raise ValueError("seq_idx must be sorted along tokens (each sequence one contiguous run of tokens)")
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens, tokens):
+    """[num_sequences + 1] start offsets -> [1, tokens] sequence index of each token."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
+    return torch.repeat_interleave(ids, lengths, output_size=tokens)[None]
