@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import tilegym_mamba2
-from tilegym_mamba2.registry import LazyImpl, load_registry, resolve
+from tilegym_mamba2.registry import load_registry, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 OP = "mamba2_chunk_forward"

@@ -148,9 +148,7 @@ def run(shapes=ANCHOR_SHAPES, only=None, tilegym_shapes=1, out_json=None, log=pr
 
 
 def _bench_shape(shape, impls, bandwidth, result, log):
-    batch, tokens, groups, heads, state, head = shape
-    spec = Mamba2ProblemSpec(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
-                             state_size=state, head_size=head, chunk_size=128, device="cuda")
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
     inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
     first_batch = {k: (v[:1] if k not in ("a", "d", "chunk_size") else v) for k, v in inputs.items()}
     ref, _ = chunked_forward_reference(**first_batch)
@@ -185,9 +183,7 @@ def stage_times(shapes, log=print):
     from . import mamba2_chunk_forward
     rows = []
     for shape in shapes:
-        batch, tokens, groups, heads, state, head = shape
-        spec = Mamba2ProblemSpec(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
-                                 state_size=state, head_size=head, chunk_size=128, device="cuda")
+        spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
         inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
         x, a, b, c, d, dt, init, _ = args = check_forward_args(**inputs, backend="cutile")
         config = config_for(*args)

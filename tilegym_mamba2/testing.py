@@ -72,6 +72,13 @@ class Mamba2ProblemSpec:
             raise ValueError(f"device is not a valid torch device: {self.device!r}") from exc
         object.__setattr__(self, "device", device)  # frozen: bypass __setattr__ once
 
+    @classmethod
+    def from_shape(cls, shape, **fields) -> "Mamba2ProblemSpec":
+        """From (batch, tokens, groups, heads, state_size, head_size), the benchmarks' order."""
+        batch, tokens, groups, heads, state_size, head_size = shape
+        return cls(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
+                   state_size=state_size, head_size=head_size, **fields)
+
     @property
     def num_chunks(self) -> int:
         return -(-self.num_tokens // self.chunk_size)

@@ -148,7 +148,6 @@ def test_source_example():
 
 
 def test_tuning_measures_once_per_bucket_and_stays_correct(tmp_path, monkeypatch, capsys):
-    from tilegym_mamba2.cutile import tuning
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "1")
     monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
     spec, inputs = sample(2, 3000, 1, 8, 128, 64, 128)

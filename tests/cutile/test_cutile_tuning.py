@@ -2,10 +2,9 @@
 The measurement itself runs on a GPU (config_for / pretune); here it is a fake timer."""
 import json
 
-import pytest
 import torch
 
-from tilegym_mamba2.cutile.tuning import (Config, ConfigCache, bucket_key, candidates, choose_config,
+from tilegym_mamba2.cutile.tuning import (ConfigCache, bucket_key, candidates, choose_config,
                                           tuned_config)
 
 

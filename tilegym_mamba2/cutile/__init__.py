@@ -36,8 +36,8 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     """Runs the three stages on already-checked arguments."""
     if config is None:
         config = config_for(x, a, b, c, d, dt, init_state, chunk_size)
-    # The kernels may cut chunks shorter than asked (config.chunk_size): the recurrence, and so
-    # the result, does not depend on the chunk length.
+    # The kernels use their own chunk length (config.chunk_size): the recurrence, and so the
+    # result, does not depend on it.
     chunk = config.chunk_size
     dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk)
     entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config)
@@ -71,9 +71,7 @@ def pretune(shapes, dtype=torch.bfloat16, chunk_size=128):
     """Tunes (and saves) the config of each (batch, tokens, groups, heads, state_size, head_size)
     ahead of time, on random inputs, printing progress."""
     from ..testing import Mamba2ProblemSpec, forward_inputs
-    for batch, tokens, groups, heads, state_size, head_size in shapes:
-        spec = Mamba2ProblemSpec(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
-                                 state_size=state_size, head_size=head_size, chunk_size=chunk_size,
-                                 dtype=dtype, device="cuda")
+    for shape in shapes:
+        spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=chunk_size, dtype=dtype, device="cuda")
         inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
         config_for(*check_forward_args(**inputs, backend="cutile"), tune=True)

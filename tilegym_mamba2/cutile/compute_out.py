@@ -7,7 +7,6 @@ decay and the causal mask stay in registers; because the block carries the state
 chunk to the next, only one entry state per segment is read from memory.
 """
 import cuda.tile as ct
-import torch
 
 from .launch import launch, new_output
 
