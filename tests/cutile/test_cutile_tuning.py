@@ -86,3 +86,4 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     assert tuning.cache_path() == str(tmp_path / "configs.json")
     tuned_config(key(1024), BASE, FakeTimer(best=1), tune=True, log=lambda m: None)
     assert (tmp_path / "configs.json").exists()
+

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..toolchain import explain_compile_failure
 from ..validation import check_forward_args
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
@@ -28,7 +29,15 @@ class Stages:
 
 def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
     """Mamba-2 chunked forward on our cuTile kernels; see ``tilegym_mamba2.mamba2_chunk_forward``."""
-    stages = run_stages(*check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend="cutile"))
+    args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend="cutile")
+    try:
+        stages = run_stages(*args)
+    except Exception as exc:
+        # Kernels compile on first use; a broken toolchain shows up here as a tileiras failure.
+        explanation = explain_compile_failure(exc)
+        if explanation is None:
+            raise
+        raise RuntimeError(explanation) from exc
     return stages.out, stages.final_state
 
 
