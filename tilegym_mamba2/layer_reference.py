@@ -13,12 +13,17 @@ Same arguments and semantics as mamba_ssm's function of that name (forward):
 * returns out (x's dtype), final_states (fp32) and varlen_states (C's dtype), as mamba_ssm.
 
 ``layer_token_recurrence`` is the float64 ground truth; ``mamba_chunk_scan_combined_pytorch``
-is the "pytorch" backend, which runs the chunked reference on each sequence in fp32.
+is the "pytorch" backend, which runs the chunked reference on each sequence in fp32 (so
+sequences are independent to the bit); ``chunked_layer_reference`` is the algorithm the
+kernels will run, with sequence boundaries as masks inside chunks.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
-from .reference import chunked_forward_reference
+from .reference import (_chunked, _chunked_decay, _expand_groups, chunked_forward_reference,
+                        decay_cumsum_reference)
 from .validation import check_scan_combined_args, seq_idx_from_cu_seqlens
 
 
@@ -129,3 +134,94 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
     varlen_states = torch.stack(varlen).to(C.dtype) if cu_seqlens is not None else None
     return _returns(out.to(x.dtype), final_states, varlen_states, args.return_final_states,
                     args.return_varlen_states)
+
+
+def chunked_layer_reference(x, dt, A, B, C, D=None, z=None, initial_states=None, seq_idx=None, cu_seqlens=None,
+                            chunk_size=64, dtype=torch.float64):
+    """The chunked algorithm with sequence boundaries as masks: the blueprint for the kernels.
+
+    dt is already processed (``process_dt``). Per chunk k, with prev = the sequence of the token
+    before the chunk (for chunk 0, the row's first sequence, whose entry state is the row's
+    initial state when its id is 0, else zero):
+
+        y_i = [seq_i == prev] exp2(g_i) C_i S_k^T + sum_{j <= i, seq_j == seq_i} exp2(g_i - g_j) (C_i . B_j) dt_j x_j
+        S_{k+1} = [seq_last == prev] exp2(g_last) S_k + sum_{seq_j == seq_last} exp2(g_last - g_j) dt_j x_j B_j^T
+
+    Padded tokens continue the last sequence with dt = 0, so they change nothing. Per-sequence
+    initial states ([num_sequences, ...] with cu_seqlens) enter by linearity: sequence s adds
+    exp(sum of a*dt from its start to t) C_t I_s^T to each of its outputs and to its end state.
+    The decay sums run over whole chunks, so a sequence's result depends on its neighbours'
+    dt through rounding only. Returns (out, final_states, varlen_states or None) in ``dtype``.
+    """
+    batch, tokens, heads, head_size = x.shape
+    state_size = B.shape[3]
+    L = chunk_size
+    num_chunks = -(-tokens // L)
+    if seq_idx is None:
+        seq_idx = (seq_idx_from_cu_seqlens(cu_seqlens, tokens) if cu_seqlens is not None
+                   else torch.zeros(batch, tokens, dtype=torch.int64, device=x.device))
+    seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, num_chunks * L - tokens)], 1)
+    seq = seq.reshape(batch, num_chunks, L)
+    num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    per_sequence = (initial_states is not None and num_seqs is not None and num_seqs != batch
+                    and initial_states.shape[0] == num_seqs)
+
+    xc = _chunked(x, L, dtype)                                   # [B, K, L, H, P]
+    bc = _chunked(_expand_groups(B, heads), L, dtype)            # [B, K, L, H, N]
+    cc = _chunked(_expand_groups(C, heads), L, dtype)
+    dtc = _chunked(dt, L, dtype)                                 # [B, K, L, H]
+    g = _chunked_decay(decay_cumsum_reference(A, dt, L, dtype), L, dtype)  # [B, K, L, H], log2
+    g_last = g[:, :, -1]                                         # [B, K, H]
+
+    prev = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)        # [B, K]
+    carried = seq == prev[..., None]                             # [B, K, L]
+    last = seq[:, :, -1]
+    keeps = prev == last                                         # [B, K]
+    in_last = seq == last[..., None]                             # [B, K, L]
+
+    weight = torch.where(in_last[..., None], dtc * torch.exp2(g_last[:, :, None] - g), 0)
+    local = torch.einsum("bklhp,bklhn->bkhpn", weight[..., None] * xc, bc)
+    state = x.new_zeros(batch, heads, head_size, state_size, dtype=dtype)
+    if initial_states is not None and not per_sequence:
+        state = torch.where((seq[:, 0, 0] == 0)[:, None, None, None], initial_states.to(dtype), state)
+    entry = []
+    for k in range(num_chunks):
+        entry.append(state)
+        decayed = torch.exp2(g_last[:, k, :, None, None]) * state
+        state = torch.where(keeps[:, k, None, None, None], decayed, 0) + local[:, k]
+    entry = torch.stack(entry, 1)                                # [B, K, H, P, N]
+    final_states = state
+
+    inter = torch.einsum("bklhn,bkhpn->bklhp", cc, entry) * torch.exp2(g)[..., None]
+    inter = torch.where(carried[..., None, None], inter, 0)
+    gh = g.permute(0, 1, 3, 2)                                   # [B, K, H, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    mask = (causal & (seq[..., :, None] == seq[..., None, :]))[:, :, None]   # [B, K, 1, L, L]
+    decay = torch.exp2((gh[..., :, None] - gh[..., None, :]).masked_fill(~mask, -math.inf))
+    scores = torch.einsum("bkthn,bkshn->bkhts", cc, bc) * decay * dtc.permute(0, 1, 3, 2)[..., None, :]
+    y = (inter + torch.einsum("bkhts,bkshp->bkthp", scores, xc)).reshape(batch, -1, heads, head_size)[:, :tokens]
+
+    varlen = []
+    if cu_seqlens is not None:  # batch 1: each sequence's state after its last token
+        for end in cu_seqlens[1:].tolist():
+            k, p = divmod(end - 1, L)
+            same = seq[0, k, :p + 1] == seq[0, k, p]
+            w = torch.where(same[:, None], dtc[0, k, :p + 1] * torch.exp2(g[0, k, p] - g[0, k, :p + 1]), 0)
+            h = torch.einsum("lhp,lhn->hpn", w[..., None] * xc[0, k, :p + 1], bc[0, k, :p + 1])
+            if bool(carried[0, k, p]):
+                h = h + torch.exp2(g[0, k, p])[:, None, None] * entry[0, k]
+            varlen.append(h)
+    if per_sequence:  # linear in the initial states: add each sequence's own
+        a_dt = A.to(torch.float64) * dt[0].to(torch.float64)    # [T, H]
+        for s, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            growth = torch.exp(a_dt[start:end].cumsum(0)).to(dtype)                 # [len, H]
+            init = initial_states[s].to(dtype)                                       # [H, P, N]
+            c_seq = _expand_groups(C[:, start:end], heads)[0].to(dtype)              # [len, H, N]
+            y[0, start:end] += growth[..., None] * torch.einsum("lhn,hpn->lhp", c_seq, init)
+            varlen[s] = varlen[s] + growth[-1][:, None, None] * init
+        final_states = varlen[-1][None].clone()
+    if D is not None:
+        y = y + (D.to(dtype)[:, None] if D.ndim == 1 else D.to(dtype)) * x.to(dtype)
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    return y, final_states, (torch.stack(varlen) if cu_seqlens is not None else None)
