@@ -48,6 +48,12 @@ def load_registry(text: str | None = None) -> dict[str, OpEntry]:
     return entries
 
 
+@functools.cache
+def shipped_registry() -> dict[str, OpEntry]:
+    """The package's own ops_registry.yaml, parsed once per process."""
+    return load_registry()
+
+
 def resolve(target: str) -> Callable:
     module, function = target.split(":")
     return getattr(importlib.import_module(module), function)
@@ -76,7 +82,7 @@ class LazyImpl:
 @functools.cache
 def implementation(op: str, backend: str) -> Callable:
     """Our own implementation of ``op`` for ``backend``, without going through tilegym."""
-    entry = load_registry()[op]
+    entry = shipped_registry()[op]
     if backend not in entry.backends:
         raise ValueError(f"backend must be one of {sorted(entry.backends)} for {op}, got {backend!r}")
     return resolve(entry.backends[backend])
@@ -84,7 +90,7 @@ def implementation(op: str, backend: str) -> Callable:
 
 def preferred_backend(op: str) -> str:
     """"cutile" where the op has our kernels, else its fallback."""
-    entry = load_registry()[op]
+    entry = shipped_registry()[op]
     return "cutile" if "cutile" in entry.backends else entry.fallback
 
 
@@ -95,7 +101,7 @@ def install() -> bool:
         from tilegym.backend import dispatcher
     except ImportError:
         return False
-    for entry in load_registry().values():
+    for entry in shipped_registry().values():
         install_op(entry, tilegym.ops, dispatcher)
     return True
 

@@ -1,6 +1,9 @@
 """Launch configuration: chunk length, tile sizes and segment length from the problem's shape."""
 import functools
-from dataclasses import dataclass
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -54,11 +57,6 @@ def _multiprocessor_count(device) -> int:
 #   TILEGYM_MAMBA2_TUNE=1           measure on the first call of a new bucket (default: off, the
 #                                   heuristic alone, until the tuner has run on a GPU)
 #   TILEGYM_MAMBA2_CACHE_DIR=path   where configs.json lives (default ~/.cache/tilegym-mamba2)
-
-import json
-import os
-import sys
-from dataclasses import asdict, replace
 
 
 def tuning_enabled() -> bool:
@@ -147,10 +145,11 @@ def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     log(f"[tilegym-mamba2] tuning {key}")
     timed = []
-    for i, config in enumerate(candidates(base), 1):
+    tried = candidates(base)
+    for i, config in enumerate(tried, 1):
         ms = measure(config)
         timed.append((ms, config.chunks_per_segment, config))
-        log(f"[tilegym-mamba2]   {i}/{len(candidates(base))} chunks_per_segment={config.chunks_per_segment}: {ms:.3f} ms")
+        log(f"[tilegym-mamba2]   {i}/{len(tried)} chunks_per_segment={config.chunks_per_segment}: {ms:.3f} ms")
     best = min(timed)[2]
     log(f"[tilegym-mamba2]   -> chunks_per_segment={best.chunks_per_segment}, saved to {cache.path}")
     cache.put(key, best)
