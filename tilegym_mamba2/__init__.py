@@ -49,7 +49,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         cu_seqlens: [num_sequences + 1] int start offsets of sequences packed in batch 1
             (defines seq_idx when that is not given).
         return_final_states, return_varlen_states: as in mamba_ssm.
-        backend: None (our kernels where the op has them, else "pytorch") or a backend name.
+        backend: None (our cuTile kernels for CUDA tensors, the "pytorch" backend for others)
+            or a backend name.
 
     Returns:
         out [batch, tokens, heads, head_size] in x's dtype; then final_states
@@ -57,7 +58,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         [num_sequences, heads, head_size, state_size] fp32 if asked.
     """
     op = "mamba2_chunk_scan_combined"
-    return implementation(op, backend or preferred_backend(op))(
+    if backend is None:
+        backend = preferred_backend(op) if getattr(x, "is_cuda", False) else "pytorch"
+    return implementation(op, backend)(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
         return_final_states, return_varlen_states)
 

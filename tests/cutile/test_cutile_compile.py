@@ -17,7 +17,7 @@ if _TOOLCHAIN.tileiras is None:
     pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\"): "
                 + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
 
-from tilegym_mamba2.cutile.aot import compile_kernels  # noqa: E402
+from tilegym_mamba2.cutile.aot import compile_kernels, compile_layer_kernels  # noqa: E402
 
 KERNELS = ["chunk_cumsum_kernel", "segment_states_kernel", "state_scan_kernel", "compute_out_kernel"]
 # Small tiles (head_size 32, state_size 64, chunk 32): every kernel, ~2 s per target.
@@ -74,3 +74,15 @@ def test_compile_fp16_sm90():
 def test_compile_large_state_small_head_sm90():
     shape = dict(SMALL, tokens=200, head_size=32, state_size=256, chunk_size=64)
     check_compiled(compile_kernels("sm_90", **shape))
+
+
+@pytest.mark.parametrize("per_sequence_init", [False, True])
+def test_compile_layer_op_every_option_sm90(per_sequence_init):
+    """The layer op's kernels with every option on (dt processing, D per channel, z, packed
+    sequences, varlen states, initial states per row or per sequence)."""
+    results = compile_layer_kernels("sm_90", tokens=300, heads=4, head_size=32, state_size=64, chunk_size=32,
+                                    per_sequence_init=per_sequence_init)
+    names = [name for name, _, _ in results]
+    expected = KERNELS + ["varlen_states_kernel"] + (["sequence_init_kernel"] if per_sequence_init else [])
+    assert sorted(names) == sorted(expected), names
+    assert all(size > 0 for _, size, _ in results)

@@ -3,7 +3,10 @@
     chunk_cumsum    dt, a          -> dt_bht, decay_cumsum   [batch, heads, padded tokens]
     fwd_pass_state  x, b, ...      -> entry_states (one per segment of chunks), final_state
     compute_out     x, b, c, d, ...-> out
+
+The layer op (scan_combined.py) runs the same stages with its options switched on.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -30,15 +33,22 @@ class Stages:
 def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
     """Mamba-2 chunked forward on our cuTile kernels; see ``tilegym_mamba2.mamba2_chunk_forward``."""
     args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend="cutile")
-    try:
+    with compile_errors_explained():
         stages = run_stages(*args)
+    return stages.out, stages.final_state
+
+
+@contextlib.contextmanager
+def compile_errors_explained():
+    """Kernels compile on first use; a broken toolchain shows up as a tileiras failure, which
+    is re-raised with what to fix."""
+    try:
+        yield
     except Exception as exc:
-        # Kernels compile on first use; a broken toolchain shows up here as a tileiras failure.
         explanation = explain_compile_failure(exc)
         if explanation is None:
             raise
         raise RuntimeError(explanation) from exc
-    return stages.out, stages.final_state
 
 
 def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None = None) -> Stages:
@@ -55,7 +65,8 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
 
 
 def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None = None) -> Config:
-    """The heuristic config, or the measured one for this shape's bucket (see tuning.py)."""
+    """The heuristic config, or the measured one for this shape's bucket (see tuning.py).
+    Measuring runs the plain op on these inputs (d may be None: a zero skip is used)."""
     batch, tokens, heads, head_size = x.shape
     groups, state_size = b.shape[2], b.shape[3]
     base = choose_config(batch, tokens, heads, head_size, state_size, chunk_size, x.device)
@@ -66,6 +77,9 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
 
 
 def _milliseconds(args, config, reps=10) -> float:
+    x, a, b, c, d, dt, init_state, chunk_size = args
+    if d is None:
+        args = (x, a, b, c, torch.zeros(x.shape[2], device=x.device), dt, init_state, chunk_size)
     run_stages(*args, config=config)  # warm-up; the candidates share compiled kernels
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -35,7 +35,34 @@ def compile_kernels(target="sm_90", *, batch=2, tokens=1000, groups=1, heads=8, 
     config = choose_config(batch, tokens, heads, head_size, state_size, chunk_size)
     with recording_launches() as launches:
         run_stages(x, a, b, c, d, dt, init, chunk_size, config)
+    return _export(launches, target)
 
+
+def compile_layer_kernels(target="sm_90", *, sequences=3, tokens=1000, groups=1, heads=8, head_size=64,
+                          state_size=128, chunk_size=128, dtype=torch.bfloat16, per_sequence_init=False):
+    """Like ``compile_kernels`` for the layer op with every option on: dt_bias, softplus,
+    dt_limit, D per channel, z, ``sequences`` packed sequences (cu_seqlens) with their varlen
+    states, and initial states per row or (``per_sequence_init``) per sequence."""
+    from .scan_combined import run_layer
+
+    def empty(*shape, dt=dtype):
+        return torch.empty(*shape, dtype=dt)
+
+    x, z = empty(1, tokens, heads, head_size), empty(1, tokens, heads, head_size)
+    b, c = empty(1, tokens, groups, state_size), empty(1, tokens, groups, state_size)
+    dt = empty(1, tokens, heads)
+    a, dt_bias = empty(heads, dt=torch.float32), empty(heads, dt=torch.float32)
+    d = empty(heads, head_size, dt=torch.float32)
+    cu_seqlens = torch.linspace(0, tokens, sequences + 1).round().to(torch.int32)
+    init = empty(sequences if per_sequence_init else 1, heads, head_size, state_size, dt=torch.float32)
+    config = choose_config(1, tokens, heads, head_size, state_size, chunk_size)
+    with recording_launches() as launches:
+        run_layer(x, dt, a, b, c, chunk_size, d, z, dt_bias, init, None, cu_seqlens, True, (0.001, 0.1),
+                  with_varlen_states=True, config=config)
+    return _export(launches, target)
+
+
+def _export(launches, target):
     results = []
     for kernel, args in launches:
         start = time.perf_counter()

@@ -4,6 +4,9 @@ Writes two fp32 tensors of shape [batch, heads, num_chunks * chunk_size]:
 ``dt_bht`` (dt, transposed so later stages read one head's chunk contiguously) and
 ``decay_cumsum`` (log2(e) * cumsum(a * dt) restarting at each chunk, so kernels use exp2).
 Tokens past the end are written as dt = 0: they neither decay nor add to the state.
+
+The layer op passes raw dt: ``dt = clamp(softplus?(dt + dt_bias), low, high)`` happens here, on
+the tile already in registers, so processed dt never makes a round trip through memory.
 """
 import math
 
@@ -13,16 +16,31 @@ import torch
 from .launch import launch, new_output
 
 LOG2E = math.log2(math.e)
+SOFTPLUS_THRESHOLD = 20.0  # above it softplus(x) == x in fp32; mamba_ssm passes such values through
 
 
 @ct.kernel
-def chunk_cumsum_kernel(dt, a, dt_bht, decay_cumsum,
-                        chunk_size: ct.Constant[int], heads_tile: ct.Constant[int]):
+def chunk_cumsum_kernel(dt, a, dt_bias, dt_bht, decay_cumsum,
+                        chunk_size: ct.Constant[int], heads_tile: ct.Constant[int],
+                        has_bias: ct.Constant[bool], softplus: ct.Constant[bool], clamp: ct.Constant[bool],
+                        dt_low: ct.Constant[float], dt_high: ct.Constant[float]):
     chunk, head_tile, batch = ct.bid(0), ct.bid(1), ct.bid(2)
     dt_tile = ct.load(dt, (batch, chunk, head_tile), (1, chunk_size, heads_tile),
                       padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
     a_tile = ct.load(a, (head_tile,), (heads_tile,), padding_mode=ct.PaddingMode.ZERO)
     dt_tile = dt_tile.reshape((chunk_size, heads_tile))
+    if has_bias or softplus or clamp:
+        # Padded tokens must stay at dt = 0 whatever bias, softplus or clamp would make of them.
+        token = chunk * chunk_size + ct.arange(chunk_size, dtype=ct.int32)
+        real = (token < dt.shape[1])[:, None]
+        if has_bias:
+            dt_tile = dt_tile + ct.load(dt_bias, (head_tile,), (heads_tile,),
+                                        padding_mode=ct.PaddingMode.ZERO)[None, :]
+        if softplus:
+            dt_tile = ct.where(dt_tile > SOFTPLUS_THRESHOLD, dt_tile, _log1p(ct.exp(dt_tile)))
+        if clamp:
+            dt_tile = ct.minimum(ct.maximum(dt_tile, dt_low), dt_high)
+        dt_tile = ct.where(real, dt_tile, 0.0)
     cumsum = ct.cumsum(dt_tile * a_tile[None, :], axis=0) * LOG2E
     ct.store(dt_bht, (batch, head_tile, chunk),
              ct.transpose(dt_tile).reshape((1, heads_tile, chunk_size)))
@@ -30,17 +48,30 @@ def chunk_cumsum_kernel(dt, a, dt_bht, decay_cumsum,
              ct.transpose(cumsum).reshape((1, heads_tile, chunk_size)))
 
 
-def chunk_cumsum(dt: torch.Tensor, a: torch.Tensor, chunk_size: int):
+@ct.function
+def _log1p(e):
+    # log(1 + e) without losing small e to the rounding of 1 + e (there is no log1p in cuTile):
+    # log(u) * e / (u - 1) with u = fl(1 + e) cancels the rounding error to first order.
+    u = 1.0 + e
+    return ct.where(u == 1.0, e, ct.log(u) * (e / (u - 1.0)))
+
+
+def chunk_cumsum(dt: torch.Tensor, a: torch.Tensor, chunk_size: int, *, dt_bias=None, softplus=False,
+                 dt_limit=None):
     """dt [batch, tokens, heads], a [heads] -> (dt_bht, decay_cumsum), both
-    [batch, heads, num_chunks * chunk_size] fp32."""
+    [batch, heads, num_chunks * chunk_size] fp32. With dt_bias, softplus or dt_limit (low, high),
+    dt is processed first, as the layer op defines it."""
     batch, tokens, heads = dt.shape
     num_chunks = -(-tokens // chunk_size)
     dt_bht = new_output(batch, heads, num_chunks * chunk_size, dtype=torch.float32, device=dt.device)
     decay_cumsum = new_output(batch, heads, num_chunks * chunk_size, dtype=torch.float32, device=dt.device)
     heads_tile = heads_tile_for(heads, chunk_size)
     grid = (num_chunks, -(-heads // heads_tile), batch)
+    low, high = dt_limit if dt_limit is not None else (0.0, math.inf)
+    # dt_limit is a model constant (usually (0, inf)): compiled in, not passed per call.
     launch(grid, chunk_cumsum_kernel,
-           (dt, a, dt_bht, decay_cumsum, chunk_size, heads_tile))
+           (dt, a, a if dt_bias is None else dt_bias, dt_bht, decay_cumsum, chunk_size, heads_tile,
+            dt_bias is not None, bool(softplus), dt_limit is not None, float(low), float(high)))
     return dt_bht, decay_cumsum
 
 

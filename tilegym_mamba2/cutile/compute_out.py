@@ -5,16 +5,23 @@ For chunk k with entry state S^T (state_size x head_size) and decay sums g:
 then S^T <- exp2(g_last) S^T + (dt * exp2(g_last - g) * B)^T X for the next chunk. C B^T, the
 decay and the causal mask stay in registers; because the block carries the state from one
 chunk to the next, only one entry state per segment is read from memory.
+
+The layer op's options are compile-time switches, so the plain op's kernel is unchanged:
+packed sequences add "same sequence" to the causal mask and drop the carried state for tokens
+of a sequence that started after it; D may be per channel; z gates the output, y * silu(z).
 """
 import cuda.tile as ct
 
 from .launch import launch, new_output
 
+NO_SKIP, SKIP_PER_HEAD, SKIP_PER_CHANNEL = 0, 1, 2
+
 
 @ct.kernel(occupancy=2)
-def compute_out_kernel(x, b, c, d, dt_bht, decay_cumsum, entry_states, out, chunks_per_segment,
+def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_states, out, chunks_per_segment,
                        chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
-                       state_size: ct.Constant[int]):
+                       state_size: ct.Constant[int], skip_mode: ct.Constant[int],
+                       has_z: ct.Constant[bool], has_seq: ct.Constant[bool]):
     batch_head, segment, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -25,12 +32,18 @@ def compute_out_kernel(x, b, c, d, dt_bht, decay_cumsum, entry_states, out, chun
     # every matmul below then takes its operands in the layout they arrive in.
     state_t = ct.load(entry_states, (batch, head, segment, 0, p_tile),
                       (1, 1, 1, state_size, head_tile)).reshape((state_size, head_tile))
-    skip = ct.load(d, (head,), (1,)).reshape((1, 1))
+    if skip_mode == SKIP_PER_CHANNEL:
+        skip = ct.load(d, (head, p_tile), (1, head_tile))
+    elif skip_mode == SKIP_PER_HEAD:
+        skip = ct.load(d, (head,), (1,)).reshape((1, 1))
     token = ct.arange(chunk_size, dtype=ct.int32)
     causal = token[:, None] >= token[None, :]
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
 
     first = segment * chunks_per_segment
+    if has_seq:
+        # The sequence the carried state belongs to (for the row's first chunk, the row's first).
+        state_seq = ct.load(seq_idx, (batch, max(first * chunk_size - 1, 0)), (1, 1)).reshape((1,))
     for chunk in range(first, min(first + chunks_per_segment, num_chunks)):
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
@@ -40,29 +53,54 @@ def compute_out_kernel(x, b, c, d, dt_bht, decay_cumsum, entry_states, out, chun
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
         dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g_last = ct.extract(g, (chunk_size - 1,), (1,))
+        state_decay = ct.exp2(g)
+        later_weight = dt_tile * ct.exp2(g_last - g)
+        keep = ct.exp2(g_last)
 
         scores = ct.mma(c_tile, b_t, ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         # Masking the exponent (not the product) keeps exp2 of the upper triangle from overflowing.
-        decay = ct.exp2(ct.where(causal, g[:, None] - g[None, :], never))
+        visible = causal
+        if has_seq:
+            seq = ct.load(seq_idx, (batch, chunk), (1, chunk_size),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size,))
+            visible = causal & (seq[:, None] == seq[None, :])
+            state_decay = ct.where(seq == state_seq, state_decay, 0.0)
+            # Padded tokens read as sequence 0; they only occur in the last chunk, whose
+            # outgoing state is never used.
+            end_seq = ct.extract(seq, (chunk_size - 1,), (1,))
+            later_weight = ct.where(seq == end_seq, later_weight, 0.0)
+            keep = ct.where(state_seq == end_seq, keep, 0.0)
+            state_seq = end_seq
+        decay = ct.exp2(ct.where(visible, g[:, None] - g[None, :], never))
         weights = (scores * decay * dt_tile[None, :]).astype(x.dtype)
         y = ct.mma(weights, x_tile, ct.zeros((chunk_size, head_tile), dtype=ct.float32))
-        c_decayed = (c_tile.astype(ct.float32) * ct.exp2(g)[:, None]).astype(x.dtype)
+        c_decayed = (c_tile.astype(ct.float32) * state_decay[:, None]).astype(x.dtype)
         y = ct.mma(c_decayed, state_t.astype(x.dtype), y)
-        y = y + skip * x_tile.astype(ct.float32)
+        if skip_mode != NO_SKIP:
+            y = y + skip * x_tile.astype(ct.float32)
+        if has_z:
+            gate = ct.load(z, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
+                           padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile)).astype(ct.float32)
+            y = y * gate / (1.0 + ct.exp(-gate))
         ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
 
-        g_last = ct.extract(g, (chunk_size - 1,), (1,))
-        weighted_b_t = (b_t.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[None, :]).astype(x.dtype)
-        state_t = ct.mma(weighted_b_t, x_tile, state_t * ct.exp2(g_last))
+        weighted_b_t = (b_t.astype(ct.float32) * later_weight[None, :]).astype(x.dtype)
+        state_t = ct.mma(weighted_b_t, x_tile, state_t * keep)
 
 
-def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config):
-    """-> out [batch, tokens, heads, head_size] in x's dtype."""
+def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config, *, z=None, seq_idx=None):
+    """d: [heads], [heads, head_size] or None; z: like x or None; seq_idx: [batch, tokens] int32
+    or None. -> out [batch, tokens, heads, head_size] in x's dtype."""
     batch, _, heads, head_size = x.shape
     segments = entry_states.shape[2]
     out = new_output(*x.shape, dtype=x.dtype, device=x.device)
+    skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
+    unused = dt_bht  # stands in for absent optional arrays; never read
     grid = (batch * heads, segments, head_size // config.out_head_tile)
     launch(grid, compute_out_kernel,
-           (x, b, c, d, dt_bht, decay_cumsum, entry_states, out, config.chunks_per_segment,
-            chunk_size, config.out_head_tile, b.shape[3]))
+           (x, b, c, unused if d is None else d, unused if z is None else z,
+            unused if seq_idx is None else seq_idx, dt_bht, decay_cumsum, entry_states, out,
+            config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
+            z is not None, seq_idx is not None))
     return out

@@ -14,6 +14,11 @@ States are kept transposed, [.., state_size, head_size]: with B^T as the left op
 as the right one, both matmuls take their operands in the layout they are loaded in, which
 measured 2x faster on H200 than the X^T-on-the-left form. With one chunk per segment
 ``entry_states`` are exactly the chunk-entry states of the math (transposed).
+
+Packed sequences (``seq_idx``, sorted along tokens): a segment's local state keeps only the
+tokens of the sequence it ends in, and when that sequence started inside the segment its
+decay is stored as -inf, so the scan drops the entry state there (exp2(-inf) = 0). An entry
+state may then belong to an earlier sequence; ``compute_out`` masks it per token.
 """
 import cuda.tile as ct
 import torch
@@ -22,9 +27,10 @@ from .launch import launch, new_output
 
 
 @ct.kernel(occupancy=4)
-def segment_states_kernel(x, b, dt_bht, decay_cumsum, local_states, segment_decay,
+def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, segment_decay,
                           chunks_per_segment, chunk_size: ct.Constant[int],
-                          head_tile: ct.Constant[int], state_tile: ct.Constant[int]):
+                          head_tile: ct.Constant[int], state_tile: ct.Constant[int],
+                          has_seq: ct.Constant[bool]):
     batch_head, segment, tile = ct.bid(0), ct.bid(1), ct.bid(2)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -37,6 +43,10 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, local_states, segment_deca
     later_decay = ct.zeros((1,), dtype=ct.float32)
     first = segment * chunks_per_segment
     last = min(first + chunks_per_segment, num_chunks)
+    if has_seq:
+        # The sequence of the segment's last real token, and of the token before the segment.
+        end_seq = ct.load(seq_idx, (batch, min(last * chunk_size, x.shape[1]) - 1), (1, 1)).reshape((1,))
+        before_seq = ct.load(seq_idx, (batch, max(first * chunk_size - 1, 0)), (1, 1)).reshape((1,))
     for i in range(last - first):
         chunk = last - 1 - i
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
@@ -47,17 +57,22 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, local_states, segment_deca
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         weight = dt_tile * ct.exp2(g_last - g + later_decay)
+        if has_seq:
+            seq = ct.load(seq_idx, (batch, chunk), (1, chunk_size), padding_mode=ct.PaddingMode.ZERO)
+            weight = ct.where(seq.reshape((chunk_size,)) == end_seq, weight, 0.0)
         state_t = ct.mma((b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype), x_tile, state_t)
         later_decay = later_decay + g_last
     ct.store(local_states, (batch, head, segment, n_tile, p_tile),
              state_t.reshape((1, 1, 1, state_tile, head_tile)))
+    if has_seq:
+        later_decay = ct.where(before_seq == end_seq, later_decay, -float("inf"))
     ct.store(segment_decay, (batch, head, segment), later_decay.reshape((1, 1, 1)))
 
 
 @ct.kernel
-def state_scan_kernel(local_states, segment_decay, init_state, entry_states, final_state,
+def state_scan_kernel(local_states, segment_decay, init_state, seq_idx, entry_states, final_state,
                       has_init: ct.Constant[bool], head_tile: ct.Constant[int],
-                      state_tile: ct.Constant[int]):
+                      state_tile: ct.Constant[int], has_seq: ct.Constant[bool]):
     batch_head, tile = ct.bid(0), ct.bid(1)
     heads = local_states.shape[1]
     batch, head = batch_head // heads, batch_head % heads
@@ -67,6 +82,10 @@ def state_scan_kernel(local_states, segment_decay, init_state, entry_states, fin
     if has_init:
         state_t = ct.load(init_state, (batch, head, n_tile, p_tile), (1, 1, state_tile, head_tile),
                           order=(0, 1, 3, 2)).reshape((state_tile, head_tile))
+        if has_seq:
+            # A row's initial state belongs to its sequence 0 (mamba_ssm's rule).
+            first_seq = ct.load(seq_idx, (batch, 0), (1, 1))
+            state_t = ct.where(first_seq == 0, state_t, 0.0)
     else:
         state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
     for segment in range(local_states.shape[2]):
@@ -80,8 +99,9 @@ def state_scan_kernel(local_states, segment_decay, init_state, entry_states, fin
              order=(0, 1, 3, 2))
 
 
-def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config):
-    """-> (entry_states [batch, heads, segments, state_size, head_size] fp32 (transposed states),
+def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config, seq_idx=None):
+    """seq_idx: [batch, tokens] int32 sequence ids, or None for one sequence per row.
+    -> (entry_states [batch, heads, segments, state_size, head_size] fp32 (transposed states),
            final_state [batch, heads, head_size, state_size] fp32)."""
     batch, _, heads, head_size = x.shape
     state_size = b.shape[3]
@@ -95,11 +115,14 @@ def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config):
     final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
 
     hp, np_ = config.state_head_tile, config.state_tile
+    has_seq = seq_idx is not None
+    seq = seq_idx if has_seq else segment_decay  # any array: unread without has_seq
     tiles = (head_size // hp) * (state_size // np_)
     launch((batch * heads, segments, tiles), segment_states_kernel,
-           (x, b, dt_bht, decay_cumsum, local_states, segment_decay, per_segment, chunk_size, hp, np_))
+           (x, b, dt_bht, decay_cumsum, seq, local_states, segment_decay, per_segment, chunk_size, hp, np_,
+            has_seq))
     has_init = init_state is not None
     launch((batch * heads, tiles), state_scan_kernel,
-           (local_states, segment_decay, init_state if has_init else final_state,
-            entry_states, final_state, has_init, hp, np_))
+           (local_states, segment_decay, init_state if has_init else final_state, seq,
+            entry_states, final_state, has_init, hp, np_, has_seq))
     return entry_states, final_state

@@ -1,0 +1,97 @@
+"""The layer op on the "cutile" backend against the float64 chunked reference (itself exact
+against the token-by-token definition, tests/test_layer_chunked.py), with every output buffer
+poisoned with NaN first. Needs a GPU, not mamba_ssm (tests/test_layer_gpu.py compares with it)."""
+import pytest
+import torch
+
+import tilegym_mamba2
+from layer_cases import ALL, CASES, TOL_OURS, TOL_PER_SEQUENCE, Case, build, rel_err, unpack
+from tilegym_mamba2.cutile.launch import poisoned_outputs
+from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
+
+pytestmark = pytest.mark.gpu
+
+# Beyond the shared cases: other dtypes and shapes (state 64/256, head 32/128, groups 1 and 8).
+EXTRA = [
+    Case("fp16_all", [9], 128, ALL + ("D_head",), init="row", final=True, varlen=True, pack="cu", seed=3,
+         max_len=900, dtype=torch.float16),
+    Case("fp32_all", [[300, 700, 24]], 64, ALL, init="row", final=True, varlen=True, pack="cu", seed=4,
+         dtype=torch.float32),
+    Case("state64_head128_groups1", [[1000, 1500]], 128, ("D_channel", "z"), init="row", final=True, varlen=True,
+         pack="cu", seed=5, shape=(4, 128, 64, 1)),
+    Case("state256_head32_groups8", [[64, 1, 900, 35]], 256, ALL, init="row", final=True, varlen=True,
+         pack="cu", seed=6, shape=(8, 32, 256, 8)),
+    Case("per_sequence_init_64", [64], 64, ALL, init="seq", final=True, varlen=True, pack="cu", seed=71,
+         max_len=300),
+    Case("per_sequence_init_on_edges", [[64, 128, 1, 63, 65]], 64, ("z",), init="seq", final=True,
+         varlen=True, pack="cu_only_ours", seed=72),
+]
+
+
+def reference(inputs, kw, chunk):
+    """float64 chunked reference on the same (processed) dt -> (out, final, varlen)."""
+    opts = {k: kw.get(k) for k in ("D", "z", "initial_states", "seq_idx", "cu_seqlens")}
+    dt = process_dt(inputs["dt"], kw.get("dt_bias"), kw.get("dt_softplus", False),
+                    kw.get("dt_limit", (0.0, float("inf"))), dtype=torch.float64)
+    rest = {k: v for k, v in inputs.items() if k != "dt"}
+    return chunked_layer_reference(dt=dt, **rest, **opts, chunk_size=chunk, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("case", CASES + EXTRA, ids=[c.id for c in CASES + EXTRA])
+def test_cutile_layer_against_float64(case):
+    inputs, ours_kw, _, ref_kw, rows = build(case)
+    where = f"case {case.id} (rows of {[len(r) for r in rows]} sequences, {inputs['x'].shape[1]} tokens)"
+    with poisoned_outputs():
+        result = tilegym_mamba2.mamba_chunk_scan_combined(**inputs, chunk_size=case.chunk, **ours_kw,
+                                                          backend="cutile")
+    out, final, varlen = unpack(result, case.final, case.varlen)
+    ref_out, ref_final, ref_varlen = reference(inputs, ref_kw, case.chunk)
+
+    assert out.dtype == inputs["x"].dtype and out.shape == inputs["x"].shape, where
+    assert rel_err(out, ref_out) < TOL_OURS, f"{where}: out {rel_err(out, ref_out):.3g}"
+    for b, lengths in enumerate(rows):
+        start = 0
+        for i, length in enumerate(lengths):
+            part = slice(start, start + length)
+            err = rel_err(out[b, part], ref_out[b, part])
+            assert err < TOL_PER_SEQUENCE, f"{where}: row {b} sequence {i} ({length} tokens) out {err:.3g}"
+            start += length
+    if case.final:
+        assert final.dtype == torch.float32, where
+        assert rel_err(final, ref_final) < TOL_OURS, f"{where}: final_states {rel_err(final, ref_final):.3g}"
+    if case.varlen:
+        assert varlen.dtype == inputs["C"].dtype, where
+        for i in range(varlen.shape[0]):
+            err = rel_err(varlen[i], ref_varlen[i])
+            assert err < TOL_PER_SEQUENCE, f"{where}: varlen_states[{i}] {err:.3g}"
+
+
+def test_no_options_is_the_plain_op():
+    """Without options the layer op runs the plain op's kernels: the same bits."""
+    inputs, _, _, _, _ = build(Case("plain", [[3000]], 128, seed=11))
+    x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
+    D = torch.randn(x.shape[2], device=x.device)
+    init = torch.randn(1, x.shape[2], x.shape[3], B.shape[3], device=x.device)
+    out, final = tilegym_mamba2.mamba_chunk_scan_combined(x, dt, A, B, C, 128, D=D, initial_states=init,
+                                                          return_final_states=True, backend="cutile")
+    plain_out, plain_final = tilegym_mamba2.mamba2_chunk_forward(x, A, B, C, D, dt, init, 128)
+    assert torch.equal(out, plain_out) and torch.equal(final, plain_final)
+
+
+def test_default_backend_on_cuda_is_cutile(monkeypatch):
+    calls = []
+    from tilegym_mamba2.cutile import scan_combined
+    original = scan_combined.run_layer
+    monkeypatch.setattr(scan_combined, "run_layer", lambda *a, **k: calls.append(1) or original(*a, **k))
+    inputs, _, _, _, _ = build(Case("plain", [[100]], 64, seed=12))
+    tilegym_mamba2.mamba_chunk_scan_combined(**inputs, chunk_size=64)
+    assert calls == [1]
+
+
+def test_tilegym_dispatch_reaches_the_cutile_layer_op():
+    tilegym = pytest.importorskip("tilegym")
+    inputs, _, _, ref_kw, _ = build(Case("plain", [[500]], 64, ("z", "D_channel"), seed=13))
+    tilegym.set_backend("cutile")
+    out = tilegym.ops.mamba2_chunk_scan_combined(**inputs, chunk_size=64, **ref_kw)
+    ref_out, _, _ = reference(inputs, ref_kw, 64)
+    assert rel_err(out, ref_out) < TOL_OURS

@@ -1,0 +1,62 @@
+"""The layer op, ``mamba_chunk_scan_combined``, on the same three stages as the plain op.
+
+Every option is fused into a stage that already reads the data it needs: dt processing into
+chunk_cumsum, sequence masks into the state pass and compute_out, D and z into compute_out.
+With no options the launches are exactly the plain op's.
+"""
+import torch
+
+from ..layer_reference import _returns
+from ..validation import check_scan_combined_args, seq_idx_from_cu_seqlens
+from . import compile_errors_explained, config_for
+from .chunk_cumsum import chunk_cumsum
+from .compute_out import compute_out
+from .fwd_pass_state import fwd_pass_state
+from .sequence_init import add_sequence_initial_states
+from .varlen_states import varlen_states
+
+NO_LIMIT = (0.0, float("inf"))
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
+                              return_final_states=False, return_varlen_states=False):
+    """See ``tilegym_mamba2.mamba_chunk_scan_combined``."""
+    args = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                    cu_seqlens, dt_softplus, dt_limit, return_final_states,
+                                    return_varlen_states, backend="cutile")
+    with compile_errors_explained():
+        out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states)
+    return _returns(out, final_states, varlen, return_final_states, return_varlen_states)
+
+
+def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+              dt_limit, *, with_varlen_states=False, config=None):
+    """Runs the stages on checked arguments -> (out, final_states, varlen_states or None)."""
+    batch, tokens, heads, _ = x.shape
+    if config is None:
+        config = config_for(x, A, B, C, None, dt, None, chunk_size)
+    chunk = config.chunk_size
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+        if seq_idx is None:
+            seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
+    seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
+    per_sequence_init = (initial_states is not None and cu_seqlens is not None
+                         and initial_states.shape[0] != batch)
+    row_init = None if per_sequence_init else initial_states
+
+    # The clamp is applied even at (0, inf), as the definition (layer_reference.process_dt) says.
+    dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=dt_bias, softplus=dt_softplus, dt_limit=dt_limit)
+    entry_states, final_states = fwd_pass_state(x, B, dt_bht, decay_cumsum, row_init, chunk, config, seq_idx=seq)
+    out = compute_out(x, B, C, D, dt_bht, decay_cumsum, entry_states, chunk, config, z=z, seq_idx=seq)
+    varlen = None
+    if with_varlen_states or per_sequence_init:
+        varlen = varlen_states(x, B, dt_bht, decay_cumsum, seq, cu_seqlens, entry_states, chunk, config,
+                               dtype=torch.float32)
+    if per_sequence_init:
+        add_sequence_initial_states(out, varlen, x, C, z, decay_cumsum, cu_seqlens, initial_states, chunk, config)
+        final_states = varlen[-1:].clone()
+    if varlen is not None and with_varlen_states:
+        varlen = varlen.to(C.dtype)  # mamba_ssm's dtype for them
+    return out, final_states, varlen
