@@ -42,7 +42,7 @@ def varlen_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_
         weight = ct.where((seq == sequence) & (token <= end), dt_tile * ct.exp2(g_end - g), 0.0)
         state_t = ct.mma((b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype), x_tile,
                          state_t * ct.exp2(g_end))
-    ct.store(varlen_states, (sequence, head, p_tile, n_tile),
+    ct.store(varlen_states, (sequence, head, n_tile, p_tile),
              state_t.astype(varlen_states.dtype).reshape((1, 1, state_tile, head_tile)), order=(0, 1, 3, 2))
 
 
