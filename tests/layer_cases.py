@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
+
 HEADS, HEAD_SIZE, STATE, GROUPS = 8, 64, 128, 2
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -149,3 +151,12 @@ def unpack(result, final, varlen):
     assert isinstance(result, tuple) and len(result) == 1 + final + varlen
     out, *rest = result
     return out, rest.pop(0) if final else None, rest.pop(0) if varlen else None
+
+
+def reference(inputs, kw, chunk):
+    """float64 chunked reference on the same (processed) dt -> (out, final, varlen)."""
+    opts = {k: kw.get(k) for k in ("D", "z", "initial_states", "seq_idx", "cu_seqlens")}
+    dt = process_dt(inputs["dt"], kw.get("dt_bias"), kw.get("dt_softplus", False),
+                    kw.get("dt_limit", (0.0, float("inf"))), dtype=torch.float64)
+    rest = {k: v for k, v in inputs.items() if k != "dt"}
+    return chunked_layer_reference(dt=dt, **rest, **opts, chunk_size=chunk, dtype=torch.float64)

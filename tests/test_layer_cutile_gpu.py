@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from layer_cases import ALL, CASES, TOL_OURS, TOL_PER_SEQUENCE, Case, build, rel_err, unpack
+from layer_cases import ALL, CASES, TOL_OURS, TOL_PER_SEQUENCE, Case, build, reference, rel_err, unpack
 from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
 
 pytestmark = pytest.mark.gpu
 
@@ -26,15 +25,6 @@ EXTRA = [
     Case("per_sequence_init_on_edges", [[64, 128, 1, 63, 65]], 64, ("z",), init="seq", final=True,
          varlen=True, pack="cu_only_ours", seed=72),
 ]
-
-
-def reference(inputs, kw, chunk):
-    """float64 chunked reference on the same (processed) dt -> (out, final, varlen)."""
-    opts = {k: kw.get(k) for k in ("D", "z", "initial_states", "seq_idx", "cu_seqlens")}
-    dt = process_dt(inputs["dt"], kw.get("dt_bias"), kw.get("dt_softplus", False),
-                    kw.get("dt_limit", (0.0, float("inf"))), dtype=torch.float64)
-    rest = {k: v for k, v in inputs.items() if k != "dt"}
-    return chunked_layer_reference(dt=dt, **rest, **opts, chunk_size=chunk, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=[c.id for c in CASES + EXTRA])

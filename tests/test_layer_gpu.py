@@ -1,5 +1,6 @@
 """``tilegym_mamba2.mamba_chunk_scan_combined`` (default backend) against mamba_ssm's own
-``mamba_chunk_scan_combined`` and against the float64 definition ``layer_token_recurrence``, on a GPU
+``mamba_chunk_scan_combined`` and against the float64 chunked reference (exact against the definition
+``layer_token_recurrence``, tests/test_layer_chunked.py; far faster on 100k+ packed tokens), on a GPU
 in bf16. Skipped without CUDA (tests/conftest.py) or without mamba_ssm.
 
 Two known mamba_ssm behaviours shape the comparisons:
@@ -15,9 +16,8 @@ import torch
 
 import tilegym_mamba2
 from layer_cases import CASES, DTYPE, HEAD_SIZE, HEADS, STATE, TOL_MAMBA, TOL_OURS, TOL_PER_SEQUENCE, Case, build, \
-    rel_err, unpack
+    reference, rel_err, unpack
 
-from tilegym_mamba2.layer_reference import layer_token_recurrence
 
 try:
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mamba_ssm_scan
@@ -41,7 +41,7 @@ def test_against_mamba_ssm_and_float64(case):
 
     ours = tilegym_mamba2.mamba_chunk_scan_combined(**inputs, chunk_size=case.chunk, **ours_kw)
     out, final, varlen = unpack(ours, case.final, case.varlen)
-    ref_out, ref_final, ref_varlen = layer_token_recurrence(**inputs, **ref_kw)
+    ref_out, ref_final, ref_varlen = reference(inputs, ref_kw, case.chunk)
 
     # Structure and dtypes.
     assert out.shape == inputs["x"].shape and out.dtype == DTYPE, where

@@ -57,6 +57,9 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     if per_sequence_init:
         add_sequence_initial_states(out, varlen, x, C, z, decay_cumsum, cu_seqlens, initial_states, chunk, config)
         final_states = varlen[-1:].clone()
+    elif varlen is not None:
+        # The last sequence's state is the row's final state; both returned, they agree to the bit.
+        varlen[-1] = final_states[0]
     if varlen is not None and with_varlen_states:
         varlen = varlen.to(C.dtype)  # mamba_ssm's dtype for them
     return out, final_states, varlen
