@@ -160,3 +160,24 @@ def reference(inputs, kw, chunk):
                     kw.get("dt_limit", (0.0, float("inf"))), dtype=torch.float64)
     rest = {k: v for k, v in inputs.items() if k != "dt"}
     return chunked_layer_reference(dt=dt, **rest, **opts, chunk_size=chunk, dtype=torch.float64)
+
+
+def assert_close_to_reference(where, rows, got, ref):
+    """(out, final or None, varlen or None) against the reference's: overall, every sequence's
+    outputs and every varlen state."""
+    (out, final, varlen), (ref_out, ref_final, ref_varlen) = got, ref
+    assert rel_err(out, ref_out) < TOL_OURS, f"{where}: out {rel_err(out, ref_out):.3g}"
+    for b, lengths in enumerate(rows):
+        start = 0
+        for i, length in enumerate(lengths):
+            part = slice(start, start + length)
+            err = rel_err(out[b, part], ref_out[b, part])
+            assert err < TOL_PER_SEQUENCE, f"{where}: row {b} sequence {i} ({length} tokens) out {err:.3g}"
+            start += length
+    if final is not None:
+        assert rel_err(final, ref_final) < TOL_OURS, f"{where}: final_states {rel_err(final, ref_final):.3g}"
+    if varlen is not None:
+        assert rel_err(varlen, ref_varlen) < TOL_OURS, f"{where}: varlen_states {rel_err(varlen, ref_varlen):.3g}"
+        for i in range(varlen.shape[0]):
+            err = rel_err(varlen[i], ref_varlen[i])
+            assert err < TOL_PER_SEQUENCE, f"{where}: varlen_states[{i}] {err:.3g}"

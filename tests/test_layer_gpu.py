@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from layer_cases import CASES, DTYPE, HEAD_SIZE, HEADS, STATE, TOL_MAMBA, TOL_OURS, TOL_PER_SEQUENCE, Case, build, \
+from layer_cases import CASES, DTYPE, HEAD_SIZE, HEADS, STATE, TOL_MAMBA, Case, assert_close_to_reference, build, \
     reference, rel_err, unpack
 
 
@@ -53,22 +53,8 @@ def test_against_mamba_ssm_and_float64(case):
     if case.final and case.varlen:
         assert torch.equal(varlen[-1], final[0].to(varlen.dtype)), where
 
-    # Ours against the definition, overall and sequence by sequence.
-    assert rel_err(out, ref_out) < TOL_OURS, f"{where}: out {rel_err(out, ref_out):.3g}"
-    for b, lengths in enumerate(rows):
-        start = 0
-        for i, length in enumerate(lengths):
-            part = slice(start, start + length)
-            err = rel_err(out[b, part], ref_out[b, part])
-            assert err < TOL_PER_SEQUENCE, f"{where}: row {b} sequence {i} ({length} tokens) out {err:.3g}"
-            start += length
-    if case.final:
-        assert rel_err(final, ref_final) < TOL_OURS, f"{where}: final_states {rel_err(final, ref_final):.3g}"
-    if case.varlen:
-        assert rel_err(varlen, ref_varlen) < TOL_OURS, f"{where}: varlen_states {rel_err(varlen, ref_varlen):.3g}"
-        for i in range(varlen.shape[0]):
-            err = rel_err(varlen[i], ref_varlen[i])
-            assert err < TOL_PER_SEQUENCE, f"{where}: varlen_states[{i}] {err:.3g}"
+    # Ours against the float64 reference, overall and sequence by sequence.
+    assert_close_to_reference(where, rows, (out, final, varlen), (ref_out, ref_final, ref_varlen))
 
     if theirs_kw is None:
         return  # per-sequence initial states: mamba_ssm has no such option

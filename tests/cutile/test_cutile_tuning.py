@@ -59,6 +59,15 @@ def test_tunes_once_per_bucket_and_persists_across_processes(tmp_path, capsys):
     assert saved[key(16384)]["chunks_per_segment"] == first.chunks_per_segment
 
 
+def test_tuning_is_on_by_default_and_off_during_graph_capture(monkeypatch):
+    from tilegym_mamba2.cutile.tuning import tuning_enabled
+    monkeypatch.delenv("TILEGYM_MAMBA2_TUNE", raising=False)
+    assert tuning_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not tuning_enabled()
+
+
 def test_switch_off_measures_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
     timer = FakeTimer(best=1)

@@ -54,13 +54,16 @@ def _multiprocessor_count(device) -> int:
 # kept per (GPU, dtype, size bucket) in memory and in a JSON file, so a new token count in
 # the same bucket, or a new process, tunes nothing again.
 #
-#   TILEGYM_MAMBA2_TUNE=1           measure on the first call of a new bucket (default: off, the
-#                                   heuristic alone, until the tuner has run on a GPU)
+#   TILEGYM_MAMBA2_TUNE=0           never measure: the heuristic alone (default: measure on the
+#                                   first call of a new bucket; GPU-tested, tests/cutile/test_cutile_gpu.py)
 #   TILEGYM_MAMBA2_CACHE_DIR=path   where configs.json lives (default ~/.cache/tilegym-mamba2)
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get("TILEGYM_MAMBA2_TUNE", "0") == "1"
+    if os.environ.get("TILEGYM_MAMBA2_TUNE", "1") == "0":
+        return False
+    # Timing synchronizes the device, which is not allowed while a CUDA graph is being captured.
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def cache_path() -> str:
