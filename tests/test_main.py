@@ -1,0 +1,34 @@
+"""The main command on a CPU-only machine: what it checks and that its checks can fail."""
+import pytest
+import torch
+
+from tilegym_mamba2 import __main__ as cli
+from tilegym_mamba2.toolchain import find_toolchain
+
+
+def test_layer_example_on_cpu_matches_the_definition(capsys):
+    err = cli.layer_example("cpu")
+    assert err < 1e-5
+    assert "pytorch backend" in capsys.readouterr().out
+
+
+def test_layer_example_reports_nan_as_failure(monkeypatch):
+    import tilegym_mamba2
+    real = tilegym_mamba2.mamba_chunk_scan_combined
+
+    def broken(*args, **kwargs):
+        out, varlen = real(*args, **kwargs)
+        return torch.full_like(out, float("nan")), varlen
+    monkeypatch.setattr(tilegym_mamba2, "mamba_chunk_scan_combined", broken)
+    err = cli.layer_example("cpu")
+    assert not err <= 1e-2  # NaN compares false: the caller's check must fail it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the main command")
+@pytest.mark.skipif(find_toolchain().tileiras is None, reason="tileiras not installed")
+def test_main_command_on_cpu(capsys):
+    assert cli.run() == 0
+    out = capsys.readouterr().out
+    assert "No GPU" in out and "mamba_chunk_scan_combined" in out
+    for kernel in ("compute_out_kernel", "varlen_states_kernel", "sequence_init_kernel"):
+        assert kernel in out
