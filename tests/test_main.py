@@ -12,13 +12,15 @@ def test_layer_example_on_cpu_matches_the_definition(capsys):
     assert "pytorch backend" in capsys.readouterr().out
 
 
-def test_layer_example_reports_nan_as_failure(monkeypatch):
+@pytest.mark.parametrize("broken_output", [0, 1], ids=["out", "varlen_states"])
+def test_layer_example_reports_nan_as_failure(monkeypatch, broken_output):
     import tilegym_mamba2
     real = tilegym_mamba2.mamba_chunk_scan_combined
 
     def broken(*args, **kwargs):
-        out, varlen = real(*args, **kwargs)
-        return torch.full_like(out, float("nan")), varlen
+        result = list(real(*args, **kwargs))
+        result[broken_output] = torch.full_like(result[broken_output], float("nan"))
+        return tuple(result)
     monkeypatch.setattr(tilegym_mamba2, "mamba_chunk_scan_combined", broken)
     err = cli.layer_example("cpu")
     assert not err <= 1e-2  # NaN compares false: the caller's check must fail it
