@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call that runs every GPU test and the stage timings, logs under $OUT (or ./device_logs).
+# One device call that runs every GPU test, the stage timings and the layer benchmark, logs under $OUT (or ./device_logs).
 # Compilation is CPU-bound, so the two halves of the GPU tests run as two processes side by side;
 # each is stopped with SIGINT at its time limit so pytest still prints its summary.
 #   run(command="source .device/setup.sh && bash benchmarks/device_check.sh", carry=[".device"])
@@ -17,3 +17,5 @@ for log in "$out"/gpu_cutile.log "$out"/gpu_layer.log; do
 done
 timeout 120 python3 -m tilegym_mamba2 bench --only --stages --json "$out/stages.json" > "$out/stages.log" 2>&1
 grep whole_call "$out/stages.log" | cut -c1-140
+timeout 200 python3 -m tilegym_mamba2 bench --layer --json "$out/layer.json" > "$out/layer.log" 2>&1
+tail -8 "$out/layer.log"

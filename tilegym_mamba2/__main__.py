@@ -1,10 +1,11 @@
 """Command line: `python -m tilegym_mamba2 [run|check|compile|bench|registry]`.
 
-run (default)  checks the environment and runs the op: on a GPU our kernels against the
-               float64 reference with a timing; without one, the pytorch backend against the
-               token recurrence plus an ahead-of-time compile of every kernel for sm_90.
+run (default)  checks the environment and runs both ops: on a GPU our kernels against the
+               float64 reference (with a timing); without one, the pytorch backend against the
+               float64 definitions plus an ahead-of-time compile of every kernel for sm_90.
 """
 import argparse
+import json
 import sys
 import time
 
@@ -28,6 +29,9 @@ def main(argv=None):
                        help="seconds after which tilegym's (slow to tune) op is no longer started")
     bench.add_argument("--json", default="bench.json")
     bench.add_argument("--png", help="also plot time against tokens (needs matplotlib)")
+    bench.add_argument("--layer", action="store_true",
+                       help="instead: the layer op (mamba_chunk_scan_combined with its options, packed "
+                            "batches) against mamba_ssm's")
     bench.add_argument("--stages", action="store_true",
                        help="instead: time each stage of our op alone, next to the whole call")
     tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
@@ -97,31 +101,19 @@ def run() -> int:
 def layer_example(device) -> float:
     """The layer op as a mixer calls it, on three packed sequences with every option, against
     the float64 definition. On CUDA it runs our kernels, elsewhere the pytorch backend."""
-    import torch.nn.functional as F
-
     import tilegym_mamba2
+    from .bench_layer import LayerCase, layer_inputs
     from .layer_reference import layer_token_recurrence
-    gen = torch.Generator().manual_seed(0)
-    heads, head_size, state, groups, lengths = 8, 64, 64, 2, (17, 300, 64)
-    tokens = sum(lengths)
-
-    def randn(*shape, dtype=torch.float32):
-        return torch.randn(shape, generator=gen).to(device, dtype)
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    inputs = dict(x=randn(1, tokens, heads, head_size, dtype=dtype), dt=randn(1, tokens, heads, dtype=dtype) - 2,
-                  A=-torch.rand(heads, generator=gen).to(device) - 0.5,
-                  B=randn(1, tokens, groups, state, dtype=dtype), C=randn(1, tokens, groups, state, dtype=dtype))
-    options = dict(D=randn(heads, head_size), z=randn(1, tokens, heads, head_size, dtype=dtype),
-                   dt_bias=F.softplus(randn(heads)) * 0.1, dt_softplus=True, dt_limit=(0.0, 1.0),
-                   cu_seqlens=torch.tensor([0, 17, 317, 381], dtype=torch.int32, device=device))
-    out, varlen = tilegym_mamba2.mamba_chunk_scan_combined(**inputs, chunk_size=64, **options,
-                                                           return_varlen_states=True)
-    ref_out, _, ref_varlen = layer_token_recurrence(**inputs, **options)
+    args, lengths = layer_inputs(LayerCase("example", 1, 381, 2, 8, 64, 64, sequences=3), device, dtype)
+    args.update(D=torch.randn(8, 64, device=device), dt_limit=(0.0, 1.0))  # D per channel, a clamp
+    out, varlen = tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=64)
+    definition = {k: v for k, v in args.items() if k not in ("return_varlen_states",)}
+    ref_out, _, ref_varlen = layer_token_recurrence(**definition)
     errors = (_rel(out, ref_out), _rel(varlen, ref_varlen))
     err = float("nan") if any(e != e for e in errors) else max(errors)  # max() can drop a NaN
     backend = "cutile" if device == "cuda" else "pytorch"
-    print(f"mamba_chunk_scan_combined ({backend} backend), 3 packed sequences {list(lengths)}, D per channel, "
+    print(f"mamba_chunk_scan_combined ({backend} backend), 3 packed sequences {lengths}, D per channel, "
           f"z, dt_bias, softplus, dt_limit: error vs the float64 definition {err:.1e} (out and varlen states)")
     return err
 
@@ -150,6 +142,13 @@ def bench_cmd(args) -> int:
     shapes = bench.GRID_SHAPES if args.grid else bench.ANCHOR_SHAPES
     if args.stages:
         bench.stage_times(shapes)
+        return 0
+    if args.layer:
+        from .bench_layer import layer_table, run_layer_bench
+        rows = run_layer_bench()
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
+        print(layer_table(rows))
         return 0
     result = bench.run(shapes, only=args.only, tilegym_shapes=args.tilegym_shapes, out_json=args.json,
                        time_budget_s=args.time_budget)

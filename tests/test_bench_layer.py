@@ -1,0 +1,36 @@
+"""The layer benchmark's inputs, reference and table on the CPU (timing needs a GPU)."""
+import torch
+
+import tilegym_mamba2
+from tilegym_mamba2.bench_layer import LAYER_CASES, LayerCase, _reference, layer_inputs, layer_table
+
+
+def test_cases_cover_rows_and_packed_batches():
+    assert any(c.sequences > 1 for c in LAYER_CASES) and any(c.rows > 1 for c in LAYER_CASES)
+    assert any(c.heads == 80 for c in LAYER_CASES)  # the 2.7B layer
+
+
+def test_packed_inputs_are_valid_and_the_reference_matches_the_pytorch_backend():
+    case = LayerCase("tiny packed", 1, 300, 1, 4, 16, 16, sequences=5)
+    args, lengths = layer_inputs(case, device="cpu", dtype=torch.float32)
+    assert sum(lengths) == 300 and len(lengths) == 5 and min(lengths) >= 1
+    assert args["cu_seqlens"].tolist()[-1] == 300
+    out, varlen = tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=64, backend="pytorch")
+    assert varlen.shape[0] == 5
+    ref = _reference(args, 64)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_reference_is_for_the_first_row():
+    case = LayerCase("tiny rows", 2, 100, 1, 4, 16, 16)
+    args, _ = layer_inputs(case, device="cpu", dtype=torch.float32)
+    out = tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=32, backend="pytorch")
+    ref = _reference(args, 32)
+    assert ref.shape[0] == 1 and ((out[:1].double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_table_gives_the_ratio():
+    rows = [dict(case="a", impl="ours", ms=0.2), dict(case="a", impl="mamba_ssm", ms=0.5),
+            dict(case="b", impl="ours", ms=0.1)]
+    lines = layer_table(rows).splitlines()
+    assert "2.50x" in lines[2] and "—" in lines[3]
