@@ -31,6 +31,7 @@ class Case:
     lengths: list = field(default_factory=list)
     dtype: torch.dtype = DTYPE
     shape: tuple = (HEADS, HEAD_SIZE, STATE, GROUPS)   # heads, head_size, state_size, groups
+    global_ids: bool = False        # seq_idx numbers sequences across rows, not from 0 in each
 
 
 ALL = ("D_channel", "z", "dt_bias", "dt_softplus", "dt_limit")
@@ -120,8 +121,11 @@ def build(case):
     elif case.init == "seq":
         opts["initial_states"] = randn(num_sequences, heads, head_size, state, dtype=torch.float32)
 
-    seq_idx = torch.stack([torch.repeat_interleave(torch.arange(len(r), dtype=torch.int32), torch.tensor(r))
-                           for r in rows]).to(dev)
+    # Ids restart at 0 in every row, or (global_ids) keep counting across rows as serving engines
+    # number them: then later rows start at an id > 0 and get no row initial state.
+    first_ids = [sum(len(r) for r in rows[:i]) if case.global_ids else 0 for i in range(len(rows))]
+    seq_idx = torch.stack([torch.repeat_interleave(torch.arange(f, f + len(r), dtype=torch.int32), torch.tensor(r))
+                           for f, r in zip(first_ids, rows)]).to(dev)
     cu = None
     if case.pack in ("cu", "cu_only_ours"):
         assert batch == 1

@@ -22,6 +22,8 @@ EXTRA = [
          pack="cu", seed=6, shape=(8, 32, 256, 8)),
     Case("per_sequence_init_64", [64], 64, ALL, init="seq", final=True, varlen=True, pack="cu", seed=71,
          max_len=300),
+    Case("global_ids_row_init", [[100, 964], [1, 63, 1000], [1064]], 64, ("D_head",), init="row", final=True,
+         pack="seq_idx", seed=73, global_ids=True),
     Case("per_sequence_init_on_edges", [[64, 128, 1, 63, 65]], 64, ("z",), init="seq", final=True,
          varlen=True, pack="cu_only_ours", seed=72),
 ]
