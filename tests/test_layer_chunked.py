@@ -1,4 +1,4 @@
-"""The masked chunked algorithm the kernels will run (chunked_layer_reference) against the
+"""The masked chunked algorithm the kernels run (chunked_layer_reference) against the
 float64 token-by-token definition: sequence boundaries anywhere relative to chunk edges,
 row and per-sequence initial states, D, z, varlen and final states."""
 import pytest

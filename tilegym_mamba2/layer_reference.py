@@ -15,7 +15,7 @@ Same arguments and semantics as mamba_ssm's function of that name (forward):
 ``layer_token_recurrence`` is the float64 ground truth; ``mamba_chunk_scan_combined_pytorch``
 is the "pytorch" backend, which runs the chunked reference on each sequence in fp32 (so
 sequences are independent to the bit); ``chunked_layer_reference`` is the algorithm the
-kernels will run, with sequence boundaries as masks inside chunks.
+kernels run (cutile/scan_combined.py), with sequence boundaries as masks inside chunks.
 """
 import math
 
