@@ -1,10 +1,15 @@
 """Stage 3: the output, walking each segment's chunks with the state in registers.
 
-For chunk k with entry state S^T (state_size x head_size) and decay sums g:
+For chunk k with entry state S (head_size x state_size) and decay sums g:
     Y = exp2(g) * C S^T + (exp2(g_i - g_j) * [i >= j] * dt_j * (C B^T)_ij) X + d * X
-then S^T <- exp2(g_last) S^T + (dt * exp2(g_last - g) * B)^T X for the next chunk. C B^T, the
+then S <- exp2(g_last) S + X^T (dt * exp2(g_last - g) * B) for the next chunk. C B^T, the
 decay and the causal mask stay in registers; because the block carries the state from one
 chunk to the next, only one entry state per segment is read from memory.
+
+Unlike the state pass, this kernel carries the state untransposed, [head_size, state_size], and
+reads B as stored: measured 2.2-2.9x faster on H200 than carrying the transposed state with B
+loaded transposed (benchmarks/NOTES.md, experiment 7). The entry state, stored transposed by the
+state pass, is transposed once per segment by its load.
 
 The layer op's options are compile-time switches, so the plain op's kernel is unchanged:
 packed sequences add "same sequence" to the causal mask and drop the carried state for tokens
@@ -28,10 +33,8 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_state
     group = head // (heads // b.shape[2])
     num_chunks = dt_bht.shape[2] // chunk_size
 
-    # The state is carried transposed, [state_size, head_tile], and B is loaded transposed:
-    # every matmul below then takes its operands in the layout they arrive in.
-    state_t = ct.load(entry_states, (batch, head, segment, 0, p_tile),
-                      (1, 1, 1, state_size, head_tile)).reshape((state_size, head_tile))
+    state = ct.load(entry_states, (batch, head, segment, p_tile, 0), (1, 1, 1, head_tile, state_size),
+                    order=(0, 1, 2, 4, 3)).reshape((head_tile, state_size))
     if skip_mode == SKIP_PER_CHANNEL:
         skip = ct.load(d, (head, p_tile), (1, head_tile))
     elif skip_mode == SKIP_PER_HEAD:
@@ -47,8 +50,8 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_state
     for chunk in range(first, min(first + chunks_per_segment, num_chunks)):
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
-        b_t = ct.load(b, (batch, 0, group, chunk), (1, state_size, 1, chunk_size), order=(0, 3, 2, 1),
-                      padding_mode=ct.PaddingMode.ZERO).reshape((state_size, chunk_size))
+        b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
         dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
@@ -58,7 +61,7 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_state
         later_weight = dt_tile * ct.exp2(g_last - g)
         keep = ct.exp2(g_last)
 
-        scores = ct.mma(c_tile, b_t, ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         # Masking the exponent (not the product) keeps exp2 of the upper triangle from overflowing.
         visible = causal
         if has_seq:
@@ -76,7 +79,7 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_state
         weights = (scores * decay * dt_tile[None, :]).astype(x.dtype)
         y = ct.mma(weights, x_tile, ct.zeros((chunk_size, head_tile), dtype=ct.float32))
         c_decayed = (c_tile.astype(ct.float32) * state_decay[:, None]).astype(x.dtype)
-        y = ct.mma(c_decayed, state_t.astype(x.dtype), y)
+        y = ct.mma(c_decayed, ct.transpose(state.astype(x.dtype)), y)
         if skip_mode != NO_SKIP:
             y = y + skip * x_tile.astype(ct.float32)
         if has_z:
@@ -85,8 +88,8 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_state
             y = y * gate / (1.0 + ct.exp(-gate))
         ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
 
-        weighted_b_t = (b_t.astype(ct.float32) * later_weight[None, :]).astype(x.dtype)
-        state_t = ct.mma(weighted_b_t, x_tile, state_t * keep)
+        weighted_b = (b_tile.astype(ct.float32) * later_weight[:, None]).astype(x.dtype)
+        state = ct.mma(ct.transpose(x_tile), weighted_b, state * keep)
 
 
 def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config, *, z=None, seq_idx=None):
