@@ -3,6 +3,7 @@
 Errors name the argument and say what was expected. Value checks that would need a
 device synchronisation (a < 0, dt > 0, no NaN) are not made: they would stall the stream.
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -98,7 +99,7 @@ def _check_cutile_limits(device: torch.device, head_size: int, state_size: int):
     if device.type != "cuda":
         raise ValueError(f"the cutile backend needs CUDA tensors, got tensors on {device}; "
                          "move them with .cuda() or call with backend=\"pytorch\"")
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if major < 8:
         raise ValueError(f"the cutile backend needs a GPU of compute capability 8.0 or newer, "
                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
@@ -107,6 +108,11 @@ def _check_cutile_limits(device: torch.device, head_size: int, state_size: int):
         if size not in CUTILE_DIMS:
             raise ValueError(f"{name} must be one of {CUTILE_DIMS} for the cutile backend, got {size}; "
                              "the pytorch backend takes any size")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _expect_tensor(name, t):
@@ -189,11 +195,11 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     elif return_varlen_states:
         raise ValueError("return_varlen_states=True needs cu_seqlens, the sequences' start offsets")
     if seq_idx is not None:
-        _check_seq_idx(seq_idx, batch, tokens)
-        if cu_seqlens is not None:
-            if not torch.equal(seq_idx.long(), seq_idx_from_cu_seqlens(cu_seqlens, tokens).long()):
-                raise ValueError("seq_idx and cu_seqlens disagree: with both given, seq_idx must number the "
-                                 "sequences of cu_seqlens 0, 1, 2, ... in order")
+        _check_seq_idx(seq_idx, batch, tokens, sorted_check=cu_seqlens is None)
+        # Equal to the ids cu_seqlens defines implies sorted: one device read instead of two.
+        if cu_seqlens is not None and bool((seq_idx != seq_idx_from_cu_seqlens(cu_seqlens, tokens)).any()):
+            raise ValueError("seq_idx and cu_seqlens disagree: with both given, seq_idx must number the "
+                             "sequences of cu_seqlens 0, 1, 2, ... in order")
 
     if initial_states is not None:
         _expect_tensor("initial_states", initial_states)
@@ -236,12 +242,12 @@ def _check_cu_seqlens(cu_seqlens, batch, tokens) -> int:
     return len(offsets) - 1
 
 
-def _check_seq_idx(seq_idx, batch, tokens):
+def _check_seq_idx(seq_idx, batch, tokens, sorted_check=True):
     _expect_tensor("seq_idx", seq_idx)
     if seq_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"seq_idx must be an int32 or int64 tensor, got {seq_idx.dtype}")
     _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, tokens]")
-    if tokens > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+    if sorted_check and tokens > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
         raise ValueError("seq_idx must be sorted along tokens (each sequence one contiguous run of tokens)")
 
 

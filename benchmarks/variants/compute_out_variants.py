@@ -116,7 +116,7 @@ def run(shape):
     inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
     x, a, b, c, d, dt, init, _ = check_forward_args(**inputs, backend="cutile")
     batch, tokens, heads, head_size = x.shape
-    base = choose_config(batch, tokens, heads, head_size, b.shape[3], 128, x.device)
+    base = choose_config(batch, tokens, b.shape[2], heads, head_size, b.shape[3], 128, x.device)
     results = {}
 
     def prepared(config):

@@ -101,7 +101,7 @@ def run(shape):
     x, a, b, c, d, dt, init, _ = check_forward_args(**inputs, backend="cutile")
     batch, tokens, heads, head_size = x.shape
     groups, state_size = b.shape[2], b.shape[3]
-    cfg = choose_config(batch, tokens, heads, head_size, state_size, 128, x.device)
+    cfg = choose_config(batch, tokens, groups, heads, head_size, state_size, 128, x.device)
     L = cfg.chunk_size
     dt_bht, g = chunk_cumsum(dt, a, L)
     entry, _ = fwd_pass_state(x, b, dt_bht, g, init, L, cfg)

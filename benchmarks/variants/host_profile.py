@@ -70,3 +70,22 @@ pieces = {
 }
 for name, fn in pieces.items():
     print(f"{name:30s} {host_us(fn):7.1f} us host per call", flush=True)
+
+# The layer op on packed sequences (bench --layer's "packed prefill, 8 sequences").
+from tilegym_mamba2.bench_layer import LAYER_CASES, layer_inputs  # noqa: E402
+
+layer_args, _ = layer_inputs(LAYER_CASES[-1])
+
+
+def layer_call():
+    return tilegym_mamba2.mamba_chunk_scan_combined(chunk_size=256, **layer_args)
+
+
+print(f"layer op, {LAYER_CASES[-1].name}: {host_us(layer_call, n=200):7.1f} us host per call", flush=True)
+profile = cProfile.Profile()
+profile.enable()
+for _ in range(100):
+    layer_call()
+profile.disable()
+torch.cuda.synchronize()
+pstats.Stats(profile).sort_stats("tottime").print_stats(20)

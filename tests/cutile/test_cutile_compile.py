@@ -76,13 +76,23 @@ def test_compile_large_state_small_head_sm90():
     check_compiled(compile_kernels("sm_90", **shape))
 
 
-@pytest.mark.parametrize("per_sequence_init", [False, True])
-def test_compile_layer_op_every_option_sm90(per_sequence_init):
+def test_compile_group_scores_path_sm90():
+    """16 heads per group: compute_out reads C·B^T from group_scores_kernel."""
+    results = compile_kernels("sm_90", **dict(SMALL, heads=32, groups=2))
+    names = [name for name, _, _ in results]
+    assert sorted(names) == sorted(KERNELS + ["group_scores_kernel"]), names
+    assert all(size > 0 for _, size, _ in results)
+
+
+@pytest.mark.parametrize("per_sequence_init,heads", [(False, 4), (True, 4), (False, 16)])
+def test_compile_layer_op_every_option_sm90(per_sequence_init, heads):
     """The layer op's kernels with every option on (dt processing, D per channel, z, packed
-    sequences, varlen states, initial states per row or per sequence)."""
-    results = compile_layer_kernels("sm_90", tokens=300, heads=4, head_size=32, state_size=64, chunk_size=32,
+    sequences, varlen states, initial states per row or per sequence); at 16 heads per group
+    compute_out reads C·B^T from group_scores_kernel."""
+    results = compile_layer_kernels("sm_90", tokens=300, heads=heads, head_size=32, state_size=64, chunk_size=32,
                                     per_sequence_init=per_sequence_init)
     names = [name for name, _, _ in results]
-    expected = KERNELS + ["varlen_states_kernel"] + (["sequence_init_kernel"] if per_sequence_init else [])
+    expected = (KERNELS + ["varlen_states_kernel"] + (["sequence_init_kernel"] if per_sequence_init else [])
+                + (["group_scores_kernel"] if heads >= 16 else []))
     assert sorted(names) == sorted(expected), names
     assert all(size > 0 for _, size, _ in results)

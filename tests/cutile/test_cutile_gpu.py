@@ -3,6 +3,7 @@
 Every output buffer starts as NaN (poisoned_outputs), so an unwritten element fails; each
 test draws fresh random inputs (the seed is in the failure message)."""
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 import tilegym_mamba2
 from tilegym_mamba2.cutile import run_stages
 from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.cutile.tuning import Config
+from tilegym_mamba2.cutile.tuning import Config, choose_config
 from tilegym_mamba2.reference import chunked_forward_reference, decay_cumsum_reference, chunk_states_reference
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.validation import check_forward_args
@@ -76,12 +77,14 @@ def test_forward_matches_reference(batch, tokens, groups, heads, state, head, ch
     assert rel_err(final_state, inputs["final_state"]) < tol, f"final_state, seed={spec.seed}"
 
 
-@pytest.mark.parametrize("chunk,chunks_per_segment", [(64, 1), (64, 3), (128, 2), (32, 5)])
-def test_every_stage_matches_reference(chunk, chunks_per_segment):
+@pytest.mark.parametrize("chunk,chunks_per_segment,group_scores",
+                         [(64, 1, False), (64, 3, False), (128, 2, False), (32, 5, False), (64, 3, True),
+                          (32, 5, True)])
+def test_every_stage_matches_reference(chunk, chunks_per_segment, group_scores):
     spec, inputs = sample(2, 1000, 2, 4, 64, 64, chunk)
     args = check_forward_args(**forward_inputs(inputs), backend="cutile")
     config = Config(chunk_size=chunk, chunks_per_segment=chunks_per_segment, state_head_tile=32,
-                    state_tile=32, out_head_tile=64)
+                    state_tile=32, out_head_tile=64, group_scores=group_scores)
     with poisoned_outputs():
         stages = run_stages(*args, config=config)
     x, a, b, c, d, dt, init, chunk = args
@@ -95,6 +98,21 @@ def test_every_stage_matches_reference(chunk, chunks_per_segment):
     assert rel_err(stages.entry_states, expected_entry) < 1e-2, f"seed={spec.seed}"
     assert rel_err(stages.final_state, final) < 1e-2, f"seed={spec.seed}"
     assert rel_err(stages.out, inputs["out"]) < 1e-2, f"seed={spec.seed}"
+
+
+def test_group_scores_give_the_output_of_scores_in_the_block():
+    """C·B^T read from group_scores.py or multiplied in compute_out: the same output."""
+    spec, inputs = sample(2, 1500, 2, 32, 128, 64, 128)
+    args = check_forward_args(**forward_inputs(inputs), backend="cutile")
+    x, a, b, c, d, dt, init, chunk = args
+    base = choose_config(2, 1500, 2, 32, 64, 128, chunk)
+    assert base.group_scores, "16 heads per group should take the group_scores path"
+    outs = []
+    for group_scores in (True, False):
+        with poisoned_outputs():
+            outs.append(run_stages(*args, config=replace(base, group_scores=group_scores)).out)
+    assert rel_err(outs[0], inputs["out"]) < 1e-2, f"seed={spec.seed}"
+    assert rel_err(outs[0], outs[1]) < 1e-4, f"seed={spec.seed}"
 
 
 def test_no_initial_state_means_zeros():

@@ -23,7 +23,7 @@ class FakeTimer:
         return 0.1 + abs(config.chunks_per_segment - self.best)
 
 
-BASE = choose_config(4, 16384, 8, 64, 128, 128)
+BASE = choose_config(4, 16384, 1, 8, 64, 128, 128)
 
 
 def test_same_bucket_for_token_counts_up_to_the_next_power_of_two():
@@ -96,3 +96,11 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     tuned_config(key(1024), BASE, FakeTimer(best=1), tune=True, log=lambda m: None)
     assert (tmp_path / "configs.json").exists()
 
+
+
+def test_group_scores_only_where_many_blocks_share_a_score_tile():
+    # (batch, tokens, groups, heads, head_size, state_size, chunk): compute_out blocks per C·B^T tile
+    assert not choose_config(4, 16384, 1, 8, 64, 128, 128).group_scores          # 8: source config
+    assert choose_config(2, 8192, 1, 80, 64, 128, 128).group_scores              # 80: 2.7B layer
+    assert choose_config(2, 8192, 8, 64, 64, 256, 128).group_scores              # 8 heads x 2 head tiles
+    assert not choose_config(2, 8192, 8, 64, 64, 128, 128).group_scores          # 8

@@ -32,7 +32,7 @@ def compile_kernels(target="sm_90", *, batch=2, tokens=1000, groups=1, heads=8, 
     dt = empty(batch, tokens, heads)
     a, d = empty(heads, dt=torch.float32), empty(heads, dt=torch.float32)
     init = empty(batch, heads, head_size, state_size, dt=torch.float32) if with_init_state else None
-    config = choose_config(batch, tokens, heads, head_size, state_size, chunk_size)
+    config = choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size)
     with recording_launches() as launches:
         run_stages(x, a, b, c, d, dt, init, chunk_size, config)
     return _export(launches, target)
@@ -55,7 +55,7 @@ def compile_layer_kernels(target="sm_90", *, sequences=3, tokens=1000, groups=1,
     d = empty(heads, head_size, dt=torch.float32)
     cu_seqlens = torch.linspace(0, tokens, sequences + 1).round().to(torch.int32)
     init = empty(sequences if per_sequence_init else 1, heads, head_size, state_size, dt=torch.float32)
-    config = choose_config(1, tokens, heads, head_size, state_size, chunk_size)
+    config = choose_config(1, tokens, groups, heads, head_size, state_size, chunk_size)
     with recording_launches() as launches:
         run_layer(x, dt, a, b, c, chunk_size, d, z, dt_bias, init, None, cu_seqlens, True, (0.001, 0.1),
                   with_varlen_states=True, config=config)

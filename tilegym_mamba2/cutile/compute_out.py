@@ -11,22 +11,26 @@ reads B as stored: measured 2.2-2.9x faster on H200 than carrying the transposed
 loaded transposed (benchmarks/NOTES.md, experiment 7). The entry state, stored transposed by the
 state pass, is transposed once per segment by its load.
 
+With ``config.group_scores`` the C·B^T tiles come from group_scores.py, computed once per
+group, instead of from an mma in every (head, head tile) block.
+
 The layer op's options are compile-time switches, so the plain op's kernel is unchanged:
 packed sequences add "same sequence" to the causal mask and drop the carried state for tokens
 of a sequence that started after it; D may be per channel; z gates the output, y * silu(z).
 """
 import cuda.tile as ct
 
+from .group_scores import group_scores
 from .launch import launch, new_output
 
 NO_SKIP, SKIP_PER_HEAD, SKIP_PER_CHANNEL = 0, 1, 2
 
 
 @ct.kernel(occupancy=2)
-def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_states, out, chunks_per_segment,
-                       chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
+def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, entry_states, out,
+                       chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                        state_size: ct.Constant[int], skip_mode: ct.Constant[int],
-                       has_z: ct.Constant[bool], has_seq: ct.Constant[bool]):
+                       has_z: ct.Constant[bool], has_seq: ct.Constant[bool], has_scores: ct.Constant[bool]):
     batch_head, segment, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -61,7 +65,11 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_state
         later_weight = dt_tile * ct.exp2(g_last - g)
         keep = ct.exp2(g_last)
 
-        scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        if has_scores:
+            c_b = ct.load(scores, (batch, group, chunk, 0), (1, 1, chunk_size, chunk_size)).reshape(
+                (chunk_size, chunk_size))
+        else:
+            c_b = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         # Masking the exponent (not the product) keeps exp2 of the upper triangle from overflowing.
         visible = causal
         if has_seq:
@@ -76,7 +84,7 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, dt_bht, decay_cumsum, entry_state
             keep = ct.where(state_seq == end_seq, keep, 0.0)
             state_seq = end_seq
         decay = ct.exp2(ct.where(visible, g[:, None] - g[None, :], never))
-        weights = (scores * decay * dt_tile[None, :]).astype(x.dtype)
+        weights = (c_b * decay * dt_tile[None, :]).astype(x.dtype)
         y = ct.mma(weights, x_tile, ct.zeros((chunk_size, head_tile), dtype=ct.float32))
         c_decayed = (c_tile.astype(ct.float32) * state_decay[:, None]).astype(x.dtype)
         y = ct.mma(c_decayed, ct.transpose(state.astype(x.dtype)), y)
@@ -100,10 +108,11 @@ def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, conf
     out = new_output(*x.shape, dtype=x.dtype, device=x.device)
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
     unused = dt_bht  # stands in for absent optional arrays; never read
+    scores = group_scores(b, c, dt_bht.shape[2] // chunk_size, chunk_size) if config.group_scores else None
     grid = (batch * heads, segments, head_size // config.out_head_tile)
     launch(grid, compute_out_kernel,
            (x, b, c, unused if d is None else d, unused if z is None else z,
-            unused if seq_idx is None else seq_idx, dt_bht, decay_cumsum, entry_states, out,
-            config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
-            z is not None, seq_idx is not None))
+            unused if seq_idx is None else seq_idx, unused if scores is None else scores, dt_bht, decay_cumsum,
+            entry_states, out, config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
+            z is not None, seq_idx is not None, scores is not None))
     return out

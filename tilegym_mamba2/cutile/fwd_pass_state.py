@@ -109,9 +109,8 @@ def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config, s
     per_segment = config.chunks_per_segment
     segments = -(-num_chunks // per_segment)
     states_shape = (batch, heads, segments, state_size, head_size)
-    local_states = new_output(*states_shape, dtype=torch.float32, device=x.device)
+    local_states, entry_states = new_output(2, *states_shape, dtype=torch.float32, device=x.device).unbind(0)
     segment_decay = new_output(batch, heads, segments, dtype=torch.float32, device=x.device)
-    entry_states = new_output(*states_shape, dtype=torch.float32, device=x.device)
     final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
 
     hp, np_ = config.state_head_tile, config.state_tile

@@ -21,10 +21,11 @@ class Config:
     state_head_tile: int      # segment_states / state_scan tile: head_size columns ...
     state_tile: int           # ... by state_size rows
     out_head_tile: int        # compute_out: head_size columns per block (the state it carries)
+    group_scores: bool        # compute_out reads C·B^T computed once per group (group_scores.py)
 
 
 @functools.cache
-def choose_config(batch, tokens, heads, head_size, state_size, chunk_size, device=None) -> Config:
+def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size, device=None) -> Config:
     sms = _multiprocessor_count(device)
     kernel_chunk = KERNEL_CHUNK
     # compute_out carries a [state_size, out_head_tile] fp32 state in registers: keep it <= 32 KiB.
@@ -35,9 +36,12 @@ def choose_config(batch, tokens, heads, head_size, state_size, chunk_size, devic
     chunks_per_segment = SEGMENT_CHUNKS
     while chunks_per_segment > 1 and blocks_per_segment * -(-num_chunks // chunks_per_segment) < 2 * sms:
         chunks_per_segment //= 2
+    # C·B^T once per group pays when 16 or more compute_out blocks share each tile: measured
+    # -9% to -22% for compute_out at 16 to 80 sharers, +5% at 8 (NOTES.md, experiment 11).
+    sharers = heads // groups * (head_size // out_head_tile)
     return Config(chunk_size=kernel_chunk, chunks_per_segment=chunks_per_segment,
                   state_head_tile=min(head_size, 64), state_tile=min(state_size, 64),
-                  out_head_tile=out_head_tile)
+                  out_head_tile=out_head_tile, group_scores=sharers >= 16)
 
 
 @functools.cache
@@ -64,6 +68,11 @@ def tuning_enabled() -> bool:
         return False
     # Timing synchronizes the device, which is not allowed while a CUDA graph is being captured.
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def tuning_switches() -> tuple:
+    """Everything in the environment that can change which config a shape gets."""
+    return tuple(os.environ.get(name) for name in ("TILEGYM_MAMBA2_TUNE", "TILEGYM_MAMBA2_CACHE_DIR", "HOME"))
 
 
 def cache_path() -> str:
