@@ -13,7 +13,6 @@ output and compared with the package's compute_out:
   scores_t16    scores_f32 with out_head_tile halved (smaller state in registers)
   mixed         state [N, P], B as stored (the previous session's figure had no poisoned output)
 """
-import statistics
 import sys
 
 import cuda.tile as ct
@@ -22,25 +21,13 @@ import torch
 from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
 from tilegym_mamba2.cutile.compute_out import compute_out
 from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
+from tilegym_mamba2.cutile.group_scores import group_scores_kernel
 from tilegym_mamba2.cutile.tuning import choose_config
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.validation import check_forward_args
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from compute_out_variants import mixed_kernel  # noqa: E402
-
-
-@ct.kernel
-def group_scores_kernel(b, c, scores, chunk_size: ct.Constant[int], state_size: ct.Constant[int]):
-    batch_group, chunk = ct.bid(0), ct.bid(1)
-    groups = b.shape[2]
-    batch, group = batch_group // groups, batch_group % groups
-    b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
-    c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
-    s = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
-    ct.store(scores, (batch, group, chunk, 0), s.astype(scores.dtype).reshape((1, 1, chunk_size, chunk_size)))
+from compute_out_variants import median_ms, mixed_kernel  # noqa: E402
 
 
 @ct.kernel(occupancy=2)
@@ -79,20 +66,6 @@ def from_scores_kernel(x, b, c, d, scores, dt_bht, decay_cumsum, entry_states, o
         ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
         weighted_b = (b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]).astype(x.dtype)
         state = ct.mma(ct.transpose(x_tile), weighted_b, state * ct.exp2(g_last))
-
-
-def median_ms(fn, reps=40):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def run(shape):

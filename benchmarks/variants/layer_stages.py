@@ -6,7 +6,6 @@
 Per segment length (chunks_per_segment): the layer op's stages without varlen states, with
 them, and the varlen-state kernel alone; plus the argument checks alone. CUDA-event medians.
 """
-import statistics
 from dataclasses import replace
 
 import torch
@@ -18,20 +17,7 @@ from tilegym_mamba2.cutile.varlen_states import varlen_states
 from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
 from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
 from tilegym_mamba2.validation import check_scan_combined_args
-
-
-def median_ms(fn, reps=30):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from compute_out_variants import median_ms
 
 
 def main():
