@@ -37,7 +37,7 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
     while chunks_per_segment > 1 and blocks_per_segment * -(-num_chunks // chunks_per_segment) < 2 * sms:
         chunks_per_segment //= 2
     # C·B^T once per group pays when 16 or more compute_out blocks share each tile: measured
-    # -9% to -22% for compute_out at 16 to 80 sharers, +5% at 8 (NOTES.md, experiment 11).
+    # -7% to -17% for compute_out alone at 16 to 80 sharers, +12% at 8 (NOTES.md, experiment 11).
     sharers = heads // groups * (head_size // out_head_tile)
     return Config(chunk_size=kernel_chunk, chunks_per_segment=chunks_per_segment,
                   state_head_tile=min(head_size, 64), state_tile=min(state_size, 64),
