@@ -39,16 +39,21 @@ def host_us(fn, n=500):
     return elapsed / n * 1e6
 
 
-for _ in range(30):
-    call()
-torch.cuda.synchronize()
-profile = cProfile.Profile()
-profile.enable()
-for _ in range(300):
-    call()
-profile.disable()
-torch.cuda.synchronize()
-pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+def print_profile(fn, n, top):
+    """Queues n calls under cProfile after a warm-up; prints the top functions by own time."""
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(top)
+
+
+print_profile(call, 300, 25)
 
 args = check_forward_args(**inputs, backend="cutile")
 x, a, b, c, d, dt, init, chunk = args
@@ -82,10 +87,4 @@ def layer_call():
 
 
 print(f"layer op, {LAYER_CASES[-1].name}: {host_us(layer_call, n=200):7.1f} us host per call", flush=True)
-profile = cProfile.Profile()
-profile.enable()
-for _ in range(100):
-    layer_call()
-profile.disable()
-torch.cuda.synchronize()
-pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+print_profile(layer_call, 100, 20)
