@@ -189,17 +189,9 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
 
-    num_sequences = None
-    if cu_seqlens is not None:
-        num_sequences = _check_cu_seqlens(cu_seqlens, batch, tokens)
-    elif return_varlen_states:
+    if return_varlen_states and cu_seqlens is None:
         raise ValueError("return_varlen_states=True needs cu_seqlens, the sequences' start offsets")
-    if seq_idx is not None:
-        _check_seq_idx(seq_idx, batch, tokens, sorted_check=cu_seqlens is None)
-        # Equal to the ids cu_seqlens defines implies sorted: one device read instead of two.
-        if cu_seqlens is not None and bool((seq_idx != seq_idx_from_cu_seqlens(cu_seqlens, tokens)).any()):
-            raise ValueError("seq_idx and cu_seqlens disagree: with both given, seq_idx must number the "
-                             "sequences of cu_seqlens 0, 1, 2, ... in order")
+    num_sequences = _check_packing(cu_seqlens, seq_idx, batch, tokens)
 
     if initial_states is not None:
         _expect_tensor("initial_states", initial_states)
@@ -228,31 +220,49 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
         dt_softplus, (float(dt_limit[0]), float(dt_limit[1])), return_final_states, return_varlen_states)
 
 
-def _check_cu_seqlens(cu_seqlens, batch, tokens) -> int:
-    _expect_tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor [num_sequences + 1] of start "
-                         f"offsets, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
-    if batch != 1:
-        raise ValueError(f"cu_seqlens packs sequences along tokens and needs batch 1, got batch {batch}")
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != tokens or any(e <= s for s, e in zip(offsets, offsets[1:])):
+def _check_packing(cu_seqlens, seq_idx, batch, tokens) -> int | None:
+    """Checks cu_seqlens and seq_idx -> the number of sequences of cu_seqlens (or None).
+
+    Their values live on the device: every value check is computed there and read back in one
+    transfer (each read waits for the queued GPU work, so a second read doubles the stall)."""
+    flags = {}
+    if cu_seqlens is not None:
+        _expect_tensor("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor [num_sequences + 1] of start "
+                             f"offsets, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        if batch != 1:
+            raise ValueError(f"cu_seqlens packs sequences along tokens and needs batch 1, got batch {batch}")
+        flags["cu_seqlens"] = ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == tokens)
+                               & (cu_seqlens[1:] > cu_seqlens[:-1]).all())
+    if seq_idx is not None:
+        _expect_tensor("seq_idx", seq_idx)
+        if seq_idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"seq_idx must be an int32 or int64 tensor, got {seq_idx.dtype}")
+        _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, tokens]")
+        if cu_seqlens is not None:
+            # Equal to the ids cu_seqlens defines implies sorted.
+            flags["agree"] = (seq_idx == seq_idx_from_cu_seqlens(cu_seqlens, tokens)).all()
+        elif tokens > 1:
+            flags["sorted"] = (seq_idx[:, 1:] >= seq_idx[:, :-1]).all()
+    if not flags:
+        return None
+    ok = dict(zip(flags, torch.stack(list(flags.values())).tolist()))
+    if not ok.get("cu_seqlens", True):
+        offsets = cu_seqlens.tolist()
         raise ValueError(f"cu_seqlens must start at 0, rise strictly (every sequence at least one token) "
                          f"and end at tokens = {tokens}, got {offsets if len(offsets) <= 12 else '[...]'}")
-    return len(offsets) - 1
-
-
-def _check_seq_idx(seq_idx, batch, tokens, sorted_check=True):
-    _expect_tensor("seq_idx", seq_idx)
-    if seq_idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"seq_idx must be an int32 or int64 tensor, got {seq_idx.dtype}")
-    _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, tokens]")
-    if sorted_check and tokens > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+    if not ok.get("agree", True):
+        raise ValueError("seq_idx and cu_seqlens disagree: with both given, seq_idx must number the "
+                         "sequences of cu_seqlens 0, 1, 2, ... in order")
+    if not ok.get("sorted", True):
         raise ValueError("seq_idx must be sorted along tokens (each sequence one contiguous run of tokens)")
+    return None if cu_seqlens is None else cu_seqlens.numel() - 1
 
 
 def seq_idx_from_cu_seqlens(cu_seqlens, tokens):
     """[num_sequences + 1] start offsets -> [1, tokens] sequence index of each token."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    ids = torch.arange(lengths.numel(), device=cu_seqlens.device, dtype=torch.int32)
-    return torch.repeat_interleave(ids, lengths, output_size=tokens)[None]
+    # Token t is in the sequence whose end is the first one past t. No read of cu_seqlens on the
+    # host, and defined (if meaningless) for invalid offsets, which the checks report.
+    tokens_range = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens_range, right=True).to(torch.int32)[None]

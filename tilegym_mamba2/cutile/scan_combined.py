@@ -5,6 +5,8 @@ chunk_cumsum, sequence masks into the state pass and compute_out, D and z into c
 With no options it runs the plain op's kernels (plus the dt clamp at (0, inf), a no-op on
 valid dt): the same bits, tests/test_layer_cutile_gpu.py checks.
 """
+from dataclasses import replace
+
 import torch
 
 from ..layer_reference import _returns
@@ -17,6 +19,7 @@ from .sequence_init import add_sequence_initial_states
 from .varlen_states import varlen_states
 
 NO_LIMIT = (0.0, float("inf"))
+VARLEN_MAX_SEGMENT_CHUNKS = 16
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -45,6 +48,11 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     per_sequence_init = (initial_states is not None and cu_seqlens is not None
                          and initial_states.shape[0] != batch)
+    if with_varlen_states or per_sequence_init:
+        # Each varlen state walks up to a segment of chunks: shorter segments than the plain op's
+        # tuned ones pay here (64 packed sequences, 65536 tokens: 1.41 ms at 32 chunks, 1.30 at 16;
+        # benchmarks/NOTES.md, experiment 13).
+        config = replace(config, chunks_per_segment=min(config.chunks_per_segment, VARLEN_MAX_SEGMENT_CHUNKS))
     row_init = None if per_sequence_init else initial_states
 
     # The clamp is applied even at (0, inf), as the definition (layer_reference.process_dt) says.
