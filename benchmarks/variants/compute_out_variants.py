@@ -15,6 +15,7 @@ from dataclasses import replace
 import cuda.tile as ct
 import torch
 
+from tilegym_mamba2.cutile import config_for
 from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
 from tilegym_mamba2.cutile.compute_out import compute_out
 from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
@@ -109,6 +110,16 @@ def median_ms(fn, reps=40):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def tuned_inputs(shape):
+    """Checked GPU inputs of a shape, its tuned config, and dt and the decay sums at that config."""
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
+    args = check_forward_args(**forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False)),
+                              backend="cutile")
+    config = config_for(*args)
+    dt_bht, g = chunk_cumsum(args[5], args[1], config.chunk_size)
+    return args, config, dt_bht, g
 
 
 def run(shape):

@@ -3,34 +3,29 @@ tile sizes and the segment-state kernel's occupancy hint, timed alone at each sh
 
     source .device/setup.sh && python3 benchmarks/variants/state_pass_variants.py
 
-The package runs 64 x 64 state tiles at occupancy 4 (128 registers, 24 spill stores in the sm_90
+The package on main runs 64 x 64 state tiles at occupancy 4 (128 registers, 24 spill stores in the sm_90
 cubin). A 128-row state tile at N=128 loads each x tile once instead of twice and doubles the
 mma's M (16 HGMMA instead of 8; 255 registers, 5 spill stores, at occupancy 1 or 2). Every
 variant writes into NaN-poisoned buffers and is compared with the package's entry and final
 states (NOTES.md, open questions).
 """
+import importlib
 from dataclasses import replace
 
 import torch
 
-import tilegym_mamba2.cutile.fwd_pass_state as state_pass
-from tilegym_mamba2.cutile import config_for
-from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
 from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-from tilegym_mamba2.validation import check_forward_args
-from compute_out_variants import median_ms
+from compute_out_variants import median_ms, tuned_inputs
+
+# The module, not the function of the same name that tilegym_mamba2.cutile exports.
+state_pass = importlib.import_module("tilegym_mamba2.cutile.fwd_pass_state")
 
 PACKAGE_KERNEL = state_pass.segment_states_kernel
 
 
 def run(shape):
-    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
-    args = check_forward_args(**forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False)),
-                              backend="cutile")
+    args, tuned, dt_bht, g = tuned_inputs(shape)
     x, a, b, c, d, dt, init, chunk = args
-    tuned = config_for(*args)
-    dt_bht, g = chunk_cumsum(dt, a, tuned.chunk_size)
     state_pass.segment_states_kernel = PACKAGE_KERNEL
     ref_entry, ref_final = state_pass.fwd_pass_state(x, b, dt_bht, g, init, tuned.chunk_size, tuned)
     state_size, head_size = b.shape[3], x.shape[3]
