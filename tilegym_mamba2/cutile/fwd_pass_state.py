@@ -88,13 +88,21 @@ def state_scan_kernel(local_states, segment_decay, init_state, seq_idx, entry_st
             state_t = ct.where(first_seq == 0, state_t, 0.0)
     else:
         state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
-    for segment in range(local_states.shape[2]):
+    # The walk is serial but its loads are not: each step loads the next segment's decay and
+    # local state before it combines the current one, so a load's latency overlaps a step.
+    segments = local_states.shape[2]
+    decay = ct.load(segment_decay, (batch, head, 0), (1, 1, 1)).reshape((1, 1))
+    local = ct.load(local_states, (batch, head, 0, n_tile, p_tile),
+                    (1, 1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
+    for segment in range(segments):
         ct.store(entry_states, (batch, head, segment, n_tile, p_tile),
                  state_t.reshape((1, 1, 1, state_tile, head_tile)))
-        decay = ct.load(segment_decay, (batch, head, segment), (1, 1, 1)).reshape((1, 1))
-        local = ct.load(local_states, (batch, head, segment, n_tile, p_tile),
-                        (1, 1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
+        following = min(segment + 1, segments - 1)  # the last step reloads its own: harmless
+        next_decay = ct.load(segment_decay, (batch, head, following), (1, 1, 1)).reshape((1, 1))
+        next_local = ct.load(local_states, (batch, head, following, n_tile, p_tile),
+                             (1, 1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
         state_t = state_t * ct.exp2(decay) + local
+        decay, local = next_decay, next_local
     ct.store(final_state, (batch, head, n_tile, p_tile), state_t.reshape((1, 1, state_tile, head_tile)),
              order=(0, 1, 3, 2))
 
