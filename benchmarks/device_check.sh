@@ -6,6 +6,11 @@
 #                                           each stopped with SIGINT at its limit so pytest still
 #                                           prints its summary
 #   bash benchmarks/device_check.sh bench   stage timings of the plain op, then the layer benchmark
+#   bash benchmarks/device_check.sh ab      2 or 4 GPUs: every GPU test on GPUs 1-3 (or all on GPU 1);
+#                                           on GPU 0, pinned to cores 0-7 so that timing never shares a
+#                                           CPU with a compiler (NOTES.md, experiment 17), the stages
+#                                           against benchmarks/variants/_baseline (when present), then
+#                                           a profile of the layer op's first call
 #   bash benchmarks/device_check.sh x4      everything on a 4-GPU machine in one call (kind
 #                                           nvidia-h200-x4), one job per GPU so that timings never
 #                                           share a GPU: 0 host profile, main command, grid benchmark
@@ -55,5 +60,32 @@ x4)
   grep -E "us host|layer op" "$out/host_profile.log"; tail -3 "$out/main_run.log"
   grep -A12 "^| B, T" "$out/grid.log"; tail -6 "$out/layer.log"; tail -4 "$out/tilegym.log"
   ;;
-*) echo "usage: $0 tests|bench|x4" >&2; exit 2 ;;
+ab)
+  limit=${LIMIT_S:-480}
+  gpu_test() {  # GPU, cores, seconds, log, test paths...
+    local gpu=$1 cores=$2 secs=$3 log=$4; shift 4
+    CUDA_VISIBLE_DEVICES=$gpu taskset -c "$cores" timeout -s INT "$secs" python3 -m pytest -q -m gpu "$@" \
+      -p no:cacheprovider --tb=short -rfE > "$out/$log" 2>&1
+  }
+  # 4 GPUs: one test job per GPU 1-3; 2 GPUs: all three on GPU 1 (compiling is CPU-bound). Cores
+  # 0-7 stay with the timing jobs on GPU 0, the rest are split between the three test jobs.
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then gpus=(1 2 3); else gpus=(1 1 1); fi
+  share=$((($(nproc) - 8) / 3))
+  cores() { echo "$((8 + $1 * share))-$((7 + ($1 + 1) * share))"; }
+  gpu_test "${gpus[0]}" "$(cores 0)" "$limit" gpu_cutile.log tests/cutile &
+  gpu_test "${gpus[1]}" "$(cores 1)" "$limit" gpu_layer_cutile.log tests/test_layer_cutile_gpu.py &
+  gpu_test "${gpus[2]}" "$(cores 2)" "$limit" gpu_layer.log tests/test_layer_gpu.py tests/test_main.py &
+  export CUDA_VISIBLE_DEVICES=0
+  if [ -d benchmarks/variants/_baseline ]; then
+    taskset -c 0-7 timeout $((limit - 100)) python3 benchmarks/variants/ab_stages.py > "$out/ab_stages.log" 2>&1
+  fi
+  TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 timeout 90 python3 benchmarks/variants/first_call_profile.py \
+    > "$out/first_call.log" 2>&1
+  wait
+  for log in "$out"/gpu_*.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -15
+  done
+  grep -h -E "^\(|^  " "$out/ab_stages.log" 2>/dev/null; grep -E "call" "$out/first_call.log" | head -3
+  ;;
+*) echo "usage: $0 tests|bench|x4|ab" >&2; exit 2 ;;
 esac

@@ -54,16 +54,24 @@ def run(shape, old_pass, old_out):
             rows.append(f"  {label:44s} FAILED {type(e).__name__}: {str(e)[:150]}")
 
     pass_args = (x, b, dt_bht, g, init, cfg.chunk_size)
-    entry_old = timed("state pass, baseline", lambda: old_pass.fwd_pass_state(*pass_args, cfg))
-    new_kernel = state_pass.segment_states_kernel
     state_size, head_size = b.shape[3], x.shape[3]
-    for tile in sorted({64, min(state_size, 128), state_size}):
-        for occupancy in (4, 2, 1):
-            state_pass.segment_states_kernel = new_kernel.replace_hints(occupancy=occupancy)
-            t = replace(cfg, state_tile=tile)
-            timed(f"state pass, new, state tile {tile} occ {occupancy}",
+    # The baseline with the tiles it chose itself (64 x 64 at most), the working tree with its own.
+    old_cfg = replace(cfg, state_tile=min(state_size, 64), state_head_tile=min(head_size, 64))
+    entry_old = timed("state pass, baseline", lambda: old_pass.fwd_pass_state(*pass_args, old_cfg))
+    timed(f"state pass, new ({cfg.state_tile} x {cfg.state_head_tile})",
+          lambda: state_pass.fwd_pass_state(*pass_args, cfg), entry_old)
+    kernels = state_pass.segment_states_kernel, state_pass.wide_segment_states_kernel
+    for tile, head_tile in sorted({(64, 64), (min(state_size, 128), 64), (state_size, 64),
+                                   (min(state_size, 64), 128)}):
+        if head_tile > head_size:
+            continue
+        for occupancy in (4, 2):
+            hinted = kernels[0].replace_hints(occupancy=occupancy)
+            state_pass.segment_states_kernel = state_pass.wide_segment_states_kernel = hinted
+            t = replace(cfg, state_tile=tile, state_head_tile=head_tile)
+            timed(f"state pass, new, tile {tile} x {head_tile} occ {occupancy}",
                   lambda: state_pass.fwd_pass_state(*pass_args, t), entry_old)
-    state_pass.segment_states_kernel = new_kernel
+    state_pass.segment_states_kernel, state_pass.wide_segment_states_kernel = kernels
 
     # The scan alone: narrower tiles give more blocks for the same serial walk over segments.
     entry, _ = state_pass.fwd_pass_state(*pass_args, cfg)
@@ -74,6 +82,9 @@ def run(shape, old_pass, old_out):
         if hp > head_size or np_ > state_size:
             continue
         grid = (x.shape[0] * x.shape[2], (head_size // hp) * (state_size // np_))
+        timed(f"scan alone, baseline, tile {np_}x{hp}", lambda: launch(grid, old_pass.state_scan_kernel, (
+            local, decay, final if init is None else init, decay, entry, final, init is not None, hp, np_,
+            False)) or entry)
         timed(f"scan alone, tile {np_}x{hp}", lambda: launch(grid, state_pass.state_scan_kernel, (
             local, decay, final if init is None else init, decay, entry, final, init is not None, hp, np_,
             False)) or entry)

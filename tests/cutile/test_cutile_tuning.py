@@ -1,6 +1,7 @@
 """Tuning bookkeeping on the CPU: buckets, the disk cache, the switch and progress output.
 The measurement itself runs on a GPU (config_for / pretune); here it is a fake timer."""
 import json
+from dataclasses import replace
 
 import torch
 
@@ -87,6 +88,14 @@ def test_unreadable_or_foreign_cache_is_ignored(tmp_path, capsys):
     assert got == BASE and "ignoring unreadable" in capsys.readouterr().err
     path.write_text(json.dumps({key(2048): {"chunks_per_segment": 3, "some_old_field": 1}}))
     assert tuned_config(key(2048), BASE, timer, tune=False, cache=ConfigCache(str(path))) == BASE
+
+
+def test_cache_keeps_only_the_measured_segment_length(tmp_path):
+    path = str(tmp_path / "configs.json")
+    older = replace(BASE, chunks_per_segment=2 * BASE.chunks_per_segment, state_tile=16, group_scores=True)
+    ConfigCache(path).put(key(4096), older)  # as written by a version with another heuristic
+    got = tuned_config(key(4096), BASE, FakeTimer(best=1), tune=False, cache=ConfigCache(path))
+    assert got == replace(BASE, chunks_per_segment=older.chunks_per_segment)
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ SEGMENT_CHUNKS = 16
 class Config:
     chunk_size: int           # the chunk length the kernels use
     chunks_per_segment: int   # sequential depth of one block; more segments = more parallel blocks
-    state_head_tile: int      # segment_states / state_scan tile: head_size columns ...
+    state_head_tile: int      # segment_states tile: head_size columns ...
     state_tile: int           # ... by state_size rows
     out_head_tile: int        # compute_out: head_size columns per block (the state it carries)
     group_scores: bool        # compute_out reads C·B^T computed once per group (group_scores.py)
@@ -39,8 +39,15 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
     # C·B^T once per group pays when 16 or more compute_out blocks share each tile: measured
     # -7% to -17% for compute_out alone at 16 to 80 sharers, +12% at 8 (NOTES.md, experiment 11).
     sharers = heads // groups * (head_size // out_head_tile)
+    # Segment-state tiles (NOTES.md, experiment 15 and run 9): x is read once per head tile, so a
+    # tile as tall as the state pays where it fits at occupancy 2 (256 x 64 at N=256: -19% to
+    # -25%; 64 x 128 at N=64, P=128: -23%); at N=128, 64 x 64 at occupancy 4 stays ahead.
+    if state_size == 128:
+        state_tile, state_head_tile = 64, min(head_size, 64)
+    else:
+        state_tile, state_head_tile = state_size, min(head_size, max(64, 8192 // state_size))
     return Config(chunk_size=kernel_chunk, chunks_per_segment=chunks_per_segment,
-                  state_head_tile=min(head_size, 64), state_tile=min(state_size, 64),
+                  state_head_tile=state_head_tile, state_tile=state_tile,
                   out_head_tile=out_head_tile, group_scores=sharers >= 16)
 
 
@@ -151,7 +158,9 @@ def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
     cache = cache or _default_cache()
     found = cache.get(key)
     if found is not None:
-        return found
+        # Only the segment length was measured; the rest follows the current heuristic, so a
+        # cache written by an older version does not pin its tile choices.
+        return replace(base, chunks_per_segment=found.chunks_per_segment)
     if not (tuning_enabled() if tune is None else tune):
         return base
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -52,7 +52,9 @@ def varlen_states(x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_states,
     state_size = b.shape[3]
     num_sequences = cu_seqlens.numel() - 1
     states = new_output(num_sequences, heads, head_size, state_size, dtype=dtype, device=x.device)
-    hp, np_ = config.state_head_tile, config.state_tile
+    # Few blocks, each a serial walk of up to a segment of chunks: 64 x 64 tiles at most give
+    # more of them than the state pass's wider tiles.
+    hp, np_ = min(config.state_head_tile, 64), min(config.state_tile, 64)
     launch((num_sequences, heads, (head_size // hp) * (state_size // np_)), varlen_states_kernel,
            (x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_states, states,
             config.chunks_per_segment, chunk_size, hp, np_))
