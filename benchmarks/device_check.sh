@@ -16,6 +16,10 @@
 #                                           share a GPU: 0 host profile, main command, grid benchmark
 #                                           with the peers; 1 and 2 the two test halves; 3 the layer
 #                                           benchmark, then tilegym's own op on the source config
+#   bash benchmarks/device_check.sh x2      the final figures on a 2-GPU machine (nvidia-h200-x2), one
+#                                           timing job per GPU: 0 the grid with the peers; 1 tilegym's
+#                                           op next to ours on the 2.7B layer, group scores
+#                                           on/off, first calls with empty caches
 # e.g. run(command="source .device/setup.sh && bash benchmarks/device_check.sh tests", carry=[".device"])
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
@@ -79,13 +83,35 @@ ab)
   if [ -d benchmarks/variants/_baseline ]; then
     taskset -c 0-7 timeout $((limit - 100)) python3 benchmarks/variants/ab_stages.py > "$out/ab_stages.log" 2>&1
   fi
-  TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 timeout 90 python3 benchmarks/variants/first_call_profile.py \
-    > "$out/first_call.log" 2>&1
+  TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 timeout 90 python3 benchmarks/variants/first_call.py \
+    layer --profile > "$out/first_call.log" 2>&1
   wait
   for log in "$out"/gpu_*.log; do
     echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -15
   done
   grep -h -E "^\(|^  " "$out/ab_stages.log" 2>/dev/null; grep -E "call" "$out/first_call.log" | head -3
   ;;
-*) echo "usage: $0 tests|bench|x4|ab" >&2; exit 2 ;;
+x2)
+  # GPU 0, cores 0-7: the grid with the peers. GPU 1, cores 8-31:
+  # tilegym's op next to ours on the 2.7B layer (its autotune alone takes ~250 s), group scores
+  # on/off on the whole op, then first calls in fresh processes with empty caches.
+  limit=${LIMIT_S:-540}
+  (export CUDA_VISIBLE_DEVICES=1
+   taskset -c 8-31 timeout 320 python3 -c "from tilegym_mamba2 import bench; \
+bench.run(shapes=[bench.ANCHOR_SHAPES[1]], only=['tilegym'], out_json='$out/tilegym.json')" > "$out/tilegym.log" 2>&1
+   taskset -c 8-15 timeout 90 python3 benchmarks/variants/group_scores_op.py > "$out/group_scores_op.log" 2>&1
+   kernels=$(mktemp -d)
+   for mode in plain layer unseen; do  # unseen reuses plain's compiled kernels, as a user's new shape does
+     [ "$mode" = layer ] && dir=$(mktemp -d) || dir=$kernels
+     CUDA_TILE_CACHE_DIR=$dir TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 8-15 timeout 35 \
+       python3 benchmarks/variants/first_call.py $mode 2>&1 | grep -v -i warn
+   done > "$out/first_call.log") &
+  export CUDA_VISIBLE_DEVICES=0
+  taskset -c 0-7 timeout $((limit - 20)) python3 -m tilegym_mamba2 bench --grid --only mamba_ssm fla \
+    --json "$out/grid.json" --png "$out/grid.png" > "$out/grid.log" 2>&1
+  wait
+  grep -A12 "^| B, T" "$out/grid.log"; tail -4 "$out/tilegym.log"
+  cat "$out/group_scores_op.log" "$out/first_call.log" | grep -E "chosen|call"
+  ;;
+*) echo "usage: $0 tests|bench|x4|ab|x2" >&2; exit 2 ;;
 esac

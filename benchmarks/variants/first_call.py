@@ -1,0 +1,53 @@
+"""Scratch (GPU): the time of an op's first call in a fresh process (issue 3: at most 5 s,
+compilation included), and optionally where it goes.
+
+    CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) \
+        python3 benchmarks/variants/first_call.py plain|layer|unseen [--profile]
+
+plain: the source config through mamba2_chunk_forward; layer: the layer bench's 2.7B case with
+every option on; unseen: a shape no run has tuned (with the cuTile disk cache of an earlier
+process, this is a user's new shape). Empty cache directories make the call cold: cuTile keeps
+compiled kernels on disk (~/.cache/cutile-python) and we keep tuned choices.
+"""
+import cProfile
+import pstats
+import sys
+import time
+
+start = time.perf_counter()
+import torch  # noqa: E402
+
+import tilegym_mamba2  # noqa: E402
+from tilegym_mamba2.bench_layer import LAYER_CASES, layer_inputs  # noqa: E402
+from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs  # noqa: E402
+
+imported = time.perf_counter() - start
+mode = sys.argv[1]
+if mode == "layer":
+    args, _ = layer_inputs(LAYER_CASES[0])
+    op = lambda: tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=256, backend="cutile")  # noqa: E731
+else:
+    shape = (4, 16384, 1, 8, 128, 64) if mode == "plain" else (3, 12000, 1, 24, 128, 64)
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=256, device="cuda")
+    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+    op = lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs)  # noqa: E731
+torch.cuda.synchronize()
+
+
+def call():
+    op()
+    torch.cuda.synchronize()
+
+
+profile = cProfile.Profile() if "--profile" in sys.argv else None
+start = time.perf_counter()
+profile.runcall(call) if profile else call()
+first = time.perf_counter() - start
+start = time.perf_counter()
+call()
+print(f"{mode}: import {imported:.2f} s, first call {first:.2f} s, second call {time.perf_counter() - start:.4f} s",
+      flush=True)
+if profile:
+    stats = pstats.Stats(profile)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(12)
