@@ -24,9 +24,10 @@ EXTRA = [
          max_len=300),
     Case("global_ids_row_init", [[100, 964], [1, 63, 1000], [1064]], 64, ("D_head",), init="row", final=True,
          pack="seq_idx", seed=73, global_ids=True),
-    # 16 and 32 compute_out blocks per C·B^T tile: the group_scores path (choose_config).
+    # 16 and 32 compute_out blocks per C·B^T tile, 32-wide head tiles: the group_scores path
+    # (choose_config).
     Case("group_scores_all", [[700, 1500, 33]], 64, ALL, init="row", final=True, varlen=True, pack="cu", seed=8,
-         shape=(32, 64, 128, 2)),
+         shape=(32, 32, 128, 2)),
     Case("group_scores_state256", [[500, 600], [1100]], 128, ("D_head", "z"), final=True, pack="seq_idx",
          seed=9, shape=(16, 64, 256, 1)),
     Case("per_sequence_init_on_edges", [[64, 128, 1, 63, 65]], 64, ("z",), init="seq", final=True,

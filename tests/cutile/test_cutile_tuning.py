@@ -106,10 +106,10 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     assert (tmp_path / "configs.json").exists()
 
 
-
-def test_group_scores_only_where_many_blocks_share_a_score_tile():
+def test_group_scores_only_for_narrow_head_tiles_shared_by_many_blocks():
     # (batch, tokens, groups, heads, head_size, state_size, chunk): compute_out blocks per C·B^T tile
     assert not choose_config(4, 16384, 1, 8, 64, 128, 128).group_scores          # 8: source config
-    assert choose_config(2, 8192, 1, 80, 64, 128, 128).group_scores              # 80: 2.7B layer
-    assert choose_config(2, 8192, 8, 64, 64, 256, 128).group_scores              # 8 heads x 2 head tiles
+    assert not choose_config(2, 8192, 1, 80, 64, 128, 128).group_scores          # 80, but 64-wide tiles
+    assert choose_config(2, 8192, 8, 64, 64, 256, 128).group_scores              # 8 heads x 2 32-wide tiles
     assert not choose_config(2, 8192, 8, 64, 64, 128, 128).group_scores          # 8
+    assert choose_config(1, 2048, 2, 32, 32, 128, 128).group_scores              # 16, 32-wide tiles
