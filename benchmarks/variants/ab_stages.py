@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from tilegym_mamba2.cutile.launch import launch, poisoned_outputs
-from compute_out_variants import median_ms, tuned_inputs
+from timing import median_ms, tuned_inputs
 
 state_pass = importlib.import_module("tilegym_mamba2.cutile.fwd_pass_state")
 output_stage = importlib.import_module("tilegym_mamba2.cutile.compute_out")

@@ -23,7 +23,7 @@ import cuda.tile as ct
 import torch
 
 from tilegym_mamba2.cutile.compute_out import compute_out
-from compute_out_variants import median_ms, tuned_inputs
+from timing import median_ms, tuned_inputs
 
 NOTHING, X_AND_DECAY, EVERYTHING = 0, 1, 2
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from tilegym_mamba2.cutile import config_for, run_stages
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.validation import check_forward_args
-from compute_out_variants import median_ms
+from timing import median_ms
 
 SHAPES = [(4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64), (4, 65536, 1, 8, 128, 64),
           (1, 2048, 1, 32, 128, 64), (8, 4096, 1, 32, 64, 128), (2, 8192, 8, 64, 256, 64)]

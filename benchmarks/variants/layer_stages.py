@@ -17,7 +17,7 @@ from tilegym_mamba2.cutile.varlen_states import varlen_states
 from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
 from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
 from tilegym_mamba2.validation import check_scan_combined_args
-from compute_out_variants import median_ms
+from timing import median_ms
 
 
 def main():

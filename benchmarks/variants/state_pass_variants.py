@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from tilegym_mamba2.cutile.launch import poisoned_outputs
-from compute_out_variants import median_ms, tuned_inputs
+from timing import median_ms, tuned_inputs
 
 # The module, not the function of the same name that tilegym_mamba2.cutile exports.
 state_pass = importlib.import_module("tilegym_mamba2.cutile.fwd_pass_state")

@@ -1,0 +1,34 @@
+"""Timing helpers shared by the scratch experiments in this folder (GPU)."""
+import statistics
+
+import torch
+
+from tilegym_mamba2.cutile import config_for
+from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
+from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
+from tilegym_mamba2.validation import check_forward_args
+
+
+def median_ms(fn, reps=40):
+    """Median CUDA-event time of fn after 3 warm-up calls (no L2 flush: for A/B in one process)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def tuned_inputs(shape):
+    """Checked GPU inputs of a shape, its tuned config, and dt and the decay sums at that config."""
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
+    args = check_forward_args(**forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False)),
+                              backend="cutile")
+    config = config_for(*args)
+    dt_bht, g = chunk_cumsum(args[5], args[1], config.chunk_size)
+    return args, config, dt_bht, g
