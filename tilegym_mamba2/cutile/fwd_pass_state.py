@@ -69,8 +69,9 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
     ct.store(segment_decay, (batch, head, segment), later_decay.reshape((1, 1, 1)))
 
 
-# Tiles over 4096 elements hold twice the accumulator: at occupancy 4 they spill and run 50-75%
-# slower; at 2 they beat 64 x 64 tiles at 4 where the state is 64 or 256 wide (tuning.py).
+# Tiles over 4096 elements hold twice the accumulator: at occupancy 4 they spill and run 1.8x
+# (128 x 64) to 9x (256 x 64) slower; at 2 they beat 64 x 64 tiles at 4 where the state is 64 or
+# 256 wide (tuning.py; NOTES.md, experiments 19 and 22).
 wide_segment_states_kernel = segment_states_kernel.replace_hints(occupancy=2)
 
 

@@ -39,11 +39,11 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
     # C·B^T once per group saves a 64 x 64 x state_size product per chunk and adds a kernel and
     # a 16 KB score read. It pays where that product outweighs each of compute_out's others
     # (64 x state_size x out_head_tile), i.e. out_head_tile < 64, and 16 or more blocks share the
-    # tile. Whole op, alternating rounds (NOTES.md, experiments 11 and 18): -9% at N=256
+    # tile. Whole op, alternating rounds (NOTES.md, experiments 11 and 20): -9% at N=256
     # (out_head_tile 32); +2% to +13% at N=128, P=64 even with 32 to 80 sharers.
     sharers = heads // groups * (head_size // out_head_tile)
     group_scores = sharers >= 16 and out_head_tile < 64
-    # Segment-state tiles (NOTES.md, experiment 15 and run 9): x is read once per head tile, so a
+    # Segment-state tiles (NOTES.md, experiments 15 and 19): x is read once per head tile, so a
     # tile as tall as the state pays where it fits at occupancy 2 (256 x 64 at N=256: -19% to
     # -25%; 64 x 128 at N=64, P=128: -23%); at N=128, 64 x 64 at occupancy 4 stays ahead.
     if state_size == 128:
