@@ -53,8 +53,10 @@ def test_cutile_layer_against_float64(case):
     assert_close_to_reference(where, rows, (out, final, varlen), (ref_out, ref_final, ref_varlen))
 
 
-def test_no_options_is_the_plain_op():
-    """Without options the layer op runs the plain op's kernels: the same bits."""
+def test_no_options_is_the_plain_op(monkeypatch):
+    """Without options the layer op runs the plain op's kernels: at the same config (each op
+    tunes its own segment length, so both take the heuristic here), the same bits."""
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
     inputs, _, _, _, _ = build(Case("plain", [[3000]], 128, seed=11))
     x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
     D = torch.randn(x.shape[2], device=x.device)
@@ -66,6 +68,7 @@ def test_no_options_is_the_plain_op():
 
 
 def test_default_backend_on_cuda_is_cutile(monkeypatch):
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")  # tuning would call run_layer too
     calls = []
     from tilegym_mamba2.cutile import scan_combined
     original = scan_combined.run_layer
@@ -73,6 +76,20 @@ def test_default_backend_on_cuda_is_cutile(monkeypatch):
     inputs, _, _, _, _ = build(Case("plain", [[100]], 64, seed=12))
     tilegym_mamba2.mamba_chunk_scan_combined(**inputs, chunk_size=64)
     assert calls == [1]
+
+
+def test_layer_op_tunes_on_itself_once_per_bucket(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "1")
+    monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
+    for tokens, tunes in ((3000, True), (2500, False)):  # the second shape is in the first's bucket
+        inputs, _, _, ref_kw, _ = build(Case("tuned", [[tokens]], 64, ("z", "D_channel", "dt_bias", "dt_softplus"),
+                                             seed=14))
+        with poisoned_outputs():
+            out = tilegym_mamba2.mamba_chunk_scan_combined(**inputs, chunk_size=64, **ref_kw, backend="cutile")
+        err = capsys.readouterr().err
+        assert ("tuning" in err and "|layer" in err) == tunes, err
+        ref_out, _, _ = reference(inputs, ref_kw, 64)
+        assert rel_err(out, ref_out) < TOL_OURS
 
 
 def test_tilegym_dispatch_reaches_the_cutile_layer_op():

@@ -34,6 +34,8 @@ def test_same_bucket_for_token_counts_up_to_the_next_power_of_two():
     assert key(16384, batch=8) != key(16384)
     assert bucket_key("NVIDIA H100", torch.bfloat16, 4, 16384, 8, 1, 64, 128, 128) != key(16384)
     assert bucket_key("NVIDIA H200", torch.float16, 4, 16384, 8, 1, 64, 128, 128) != key(16384)
+    # the layer op times itself, so its choices are kept apart from the plain op's
+    assert bucket_key("NVIDIA H200", torch.bfloat16, 4, 16384, 8, 1, 64, 128, 128, layer=True) != key(16384)
 
 
 def test_candidates_vary_only_the_runtime_segment_length():

@@ -64,12 +64,16 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     return Stages(config, dt_bht, decay_cumsum, entry_states, final_state, out)
 
 
-def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None = None) -> Config:
+def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None = None,
+               run_candidate=None) -> Config:
     """The heuristic config, or the measured one for this shape's bucket (see tuning.py).
-    Measuring runs the plain op on these inputs (d may be None: a zero skip is used)."""
+    Measuring runs the plain op on these inputs (d may be None: a zero skip is used), or
+    ``run_candidate(config)`` when given: the layer op times itself, so that it compiles only its
+    own kernels and its segment length fits its options. Its choices are kept apart."""
     # Settled answers are remembered per exact shape: the bucket lookup measured ~20 us of host
     # time per call, a tenth of a small call. The switches are part of the key.
-    memo_key = (x.get_device(), x.dtype, x.shape, b.shape, chunk_size, tune, *tuning_switches())
+    layer = run_candidate is not None
+    memo_key = (x.get_device(), x.dtype, x.shape, b.shape, chunk_size, tune, layer, *tuning_switches())
     config = _settled.get(memo_key)
     if config is not None:
         return config
@@ -77,9 +81,13 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
     groups, state_size = b.shape[2], b.shape[3]
     base = choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size, x.device)
     key = bucket_key(torch.cuda.get_device_name(x.device), x.dtype, batch, tokens, heads, groups,
-                     head_size, state_size, chunk_size)
-    args = (x, a, b, c, d, dt, init_state, chunk_size)
-    config = tuned_config(key, base, lambda config: _milliseconds(args, config), tune=tune)
+                     head_size, state_size, chunk_size, layer=layer)
+    if run_candidate is None:
+        if d is None:
+            d = torch.zeros(heads, device=x.device)
+        args = (x, a, b, c, d, dt, init_state, chunk_size)
+        run_candidate = lambda config: run_stages(*args, config=config)  # noqa: E731
+    config = tuned_config(key, base, lambda config: _milliseconds(lambda: run_candidate(config)), tune=tune)
     if not torch.cuda.is_current_stream_capturing():  # during capture the heuristic stands in
         _settled[memo_key] = config
     return config
@@ -88,15 +96,12 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
 _settled: dict = {}
 
 
-def _milliseconds(args, config, reps=10) -> float:
-    x, a, b, c, d, dt, init_state, chunk_size = args
-    if d is None:
-        args = (x, a, b, c, torch.zeros(x.shape[2], device=x.device), dt, init_state, chunk_size)
-    run_stages(*args, config=config)  # warm-up; the candidates share compiled kernels
+def _milliseconds(run, reps=10) -> float:
+    run()  # warm-up; the candidates share compiled kernels
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        run_stages(*args, config=config)
+        run()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps

@@ -39,7 +39,10 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     """Runs the stages on checked arguments -> (out, final_states, varlen_states or None)."""
     batch, tokens = x.shape[:2]
     if config is None:
-        config = config_for(x, A, B, C, None, dt, None, chunk_size)
+        def run_candidate(candidate):
+            run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                      dt_limit, with_varlen_states=with_varlen_states, config=candidate)
+        config = config_for(x, A, B, C, None, dt, None, chunk_size, run_candidate=run_candidate)
     chunk = config.chunk_size
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)

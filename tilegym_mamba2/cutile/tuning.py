@@ -92,12 +92,14 @@ def cache_path() -> str:
     return os.path.join(root, "configs.json")
 
 
-def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_size, chunk_size) -> str:
-    """Shapes that share a key share a config: batch*heads and tokens by power of two."""
+def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_size, chunk_size,
+               layer=False) -> str:
+    """Shapes that share a key share a config: batch*heads and tokens by power of two. The
+    layer op, which tunes on itself, has keys of its own."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
     return (f"{gpu}|{str(dtype).removeprefix('torch.')}|bh{pow2(batch * heads)}|t{pow2(tokens)}"
-            f"|hpg{heads // groups}|P{head_size}|N{state_size}|L{chunk_size}")
+            f"|hpg{heads // groups}|P{head_size}|N{state_size}|L{chunk_size}" + ("|layer" if layer else ""))
 
 
 class ConfigCache:
