@@ -79,7 +79,7 @@ def test_forward_matches_reference(batch, tokens, groups, heads, state, head, ch
 
 @pytest.mark.parametrize("chunk,chunks_per_segment,group_scores",
                          [(64, 1, False), (64, 3, False), (128, 2, False), (32, 5, False), (64, 3, True),
-                          (32, 5, True)])
+                          (32, 5, True), (64, 16, False), (64, 32, True)])  # the last two: one segment per row
 def test_every_stage_matches_reference(chunk, chunks_per_segment, group_scores):
     spec, inputs = sample(2, 1000, 2, 4, 64, 64, chunk)
     args = check_forward_args(**forward_inputs(inputs), backend="cutile")

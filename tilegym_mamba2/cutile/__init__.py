@@ -16,7 +16,8 @@ from ..validation import check_forward_args
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
-from .tuning import Config, bucket_key, choose_config, tuned_config, tuning_switches
+from .launch import new_output
+from .tuning import Config, bucket_key, choose_config, tuned_config, tuning_switches, whole_row_chunks
 
 
 @dataclass
@@ -59,9 +60,26 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     # result, does not depend on it.
     chunk = config.chunk_size
     dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk)
-    entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config)
-    out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config)
+    if dt_bht.shape[2] // chunk > config.chunks_per_segment:
+        entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config)
+        out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config)
+    else:
+        # One segment per row: compute_out's blocks walk whole rows from the initial state and
+        # leave the final state, so the state pass has nothing to do.
+        entry_states = whole_row_entry_states(x, b, init_state)
+        final_state = new_output(*entry_states.shape[:2], x.shape[3], b.shape[3], dtype=torch.float32,
+                                 device=x.device)
+        out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config, final_state=final_state)
     return Stages(config, dt_bht, decay_cumsum, entry_states, final_state, out)
+
+
+def whole_row_entry_states(x, b, init_state):
+    """The initial state as the one segment's entry state, [batch, heads, 1, state_size,
+    head_size] (transposed, as the state pass stores them), zeros without one."""
+    batch, _, heads, head_size = x.shape
+    if init_state is None:
+        return torch.zeros(batch, heads, 1, b.shape[3], head_size, dtype=torch.float32, device=x.device)
+    return init_state.transpose(-1, -2).unsqueeze(2).contiguous()
 
 
 def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None = None,
@@ -82,12 +100,15 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
     base = choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size, x.device)
     key = bucket_key(torch.cuda.get_device_name(x.device), x.dtype, batch, tokens, heads, groups,
                      head_size, state_size, chunk_size, layer=layer)
+    # Whole rows skip the state pass only in run_stages; the layer op keeps its segments.
+    whole_row = None if layer else whole_row_chunks(batch, tokens, heads, head_size, base, x.device)
     if run_candidate is None:
         if d is None:
             d = torch.zeros(heads, device=x.device)
         args = (x, a, b, c, d, dt, init_state, chunk_size)
         run_candidate = lambda config: run_stages(*args, config=config)  # noqa: E731
-    config = tuned_config(key, base, lambda config: _milliseconds(lambda: run_candidate(config)), tune=tune)
+    config = tuned_config(key, base, lambda config: _milliseconds(lambda: run_candidate(config)), tune=tune,
+                          whole_row=whole_row)
     if not torch.cuda.is_current_stream_capturing():  # during capture the heuristic stands in
         _settled[memo_key] = config
     return config

@@ -27,8 +27,8 @@ NO_SKIP, SKIP_PER_HEAD, SKIP_PER_CHANNEL = 0, 1, 2
 
 
 @ct.kernel(occupancy=2)
-def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, entry_states, out,
-                       chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
+def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, entry_states, out, final_state,
+                       store_final, chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                        state_size: ct.Constant[int], skip_mode: ct.Constant[int],
                        has_z: ct.Constant[bool], has_seq: ct.Constant[bool], has_scores: ct.Constant[bool]):
     batch_head, segment, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
@@ -98,21 +98,29 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
 
         weighted_b = (b_tile.astype(ct.float32) * later_weight[:, None]).astype(x.dtype)
         state = ct.mma(ct.transpose(x_tile), weighted_b, state * keep)
+    # A runtime switch, so both uses share one compiled kernel.
+    if store_final != 0:
+        ct.store(final_state, (batch, head, p_tile, 0), state.reshape((1, 1, head_tile, state_size)))
 
 
-def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config, *, z=None, seq_idx=None):
+def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config, *, z=None, seq_idx=None,
+                final_state=None):
     """d: [heads], [heads, head_size] or None; z: like x or None; seq_idx: [batch, tokens] int32
-    or None. -> out [batch, tokens, heads, head_size] in x's dtype."""
+    or None; final_state: None, or [batch, heads, head_size, state_size] fp32 to receive the state
+    after the last chunk, when there is one segment per row (its block walks the whole row).
+    -> out [batch, tokens, heads, head_size] in x's dtype."""
     batch, _, heads, head_size = x.shape
     segments = entry_states.shape[2]
     out = new_output(*x.shape, dtype=x.dtype, device=x.device)
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
-    unused = dt_bht  # stands in for absent optional arrays; never read
+    unused = dt_bht  # stands in for absent optional arrays; never read (final_state: any rank-4 fp32)
     scores = group_scores(b, c, dt_bht.shape[2] // chunk_size, chunk_size) if config.group_scores else None
     grid = (batch * heads, segments, head_size // config.out_head_tile)
     launch(grid, compute_out_kernel,
            (x, b, c, unused if d is None else d, unused if z is None else z,
             unused if seq_idx is None else seq_idx, unused if scores is None else scores, dt_bht, decay_cumsum,
-            entry_states, out, config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
+            entry_states, out, entry_states[:, :, 0] if final_state is None else final_state,
+            int(final_state is not None),
+            config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
             z is not None, seq_idx is not None, scores is not None))
     return out

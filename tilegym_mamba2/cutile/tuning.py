@@ -150,15 +150,27 @@ def _default_cache() -> ConfigCache:
     return _cache
 
 
-def candidates(base: Config) -> list[Config]:
-    """The segment lengths worth trying around the heuristic's choice."""
-    lengths = sorted({max(1, base.chunks_per_segment // 2), base.chunks_per_segment,
-                      base.chunks_per_segment * 2})
-    return [replace(base, chunks_per_segment=k) for k in lengths]
+def candidates(base: Config, whole_row: int | None = None) -> list[Config]:
+    """The segment lengths worth trying around the heuristic's choice, and ``whole_row`` (see
+    whole_row_chunks) when given."""
+    lengths = {max(1, base.chunks_per_segment // 2), base.chunks_per_segment, base.chunks_per_segment * 2}
+    if whole_row is not None:
+        lengths.add(whole_row)
+    return [replace(base, chunks_per_segment=k) for k in sorted(lengths)]
+
+
+def whole_row_chunks(batch, tokens, heads, head_size, config: Config, device=None) -> int | None:
+    """A segment length that makes every row of the bucket one segment (compute_out's blocks then
+    walk whole rows and the state pass is skipped), or None where those blocks would leave SMs
+    idle. Tokens are bucketed by power of two, so the length covers the bucket's longest row."""
+    if batch * heads * (head_size // config.out_head_tile) < _multiprocessor_count(device):
+        return None
+    longest = 1 << max(0, (tokens - 1).bit_length())
+    return -(-longest // config.chunk_size)
 
 
 def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
-                 cache: ConfigCache | None = None, log=None) -> Config:
+                 cache: ConfigCache | None = None, log=None, whole_row: int | None = None) -> Config:
     """The cached config for ``key``; else, when tuning, the fastest candidate by ``measure``
     (config -> milliseconds), saved; else ``base``."""
     cache = cache or _default_cache()
@@ -172,7 +184,7 @@ def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     log(f"[tilegym-mamba2] tuning {key}")
     timed = []
-    tried = candidates(base)
+    tried = candidates(base, whole_row)
     for i, config in enumerate(tried, 1):
         ms = measure(config)
         timed.append((ms, config.chunks_per_segment, config))
