@@ -60,26 +60,29 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     # result, does not depend on it.
     chunk = config.chunk_size
     dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk)
-    if dt_bht.shape[2] // chunk > config.chunks_per_segment:
-        entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config)
-        out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config)
-    else:
-        # One segment per row: compute_out's blocks walk whole rows from the initial state and
-        # leave the final state, so the state pass has nothing to do.
-        entry_states = whole_row_entry_states(x, b, init_state)
-        final_state = new_output(*entry_states.shape[:2], x.shape[3], b.shape[3], dtype=torch.float32,
-                                 device=x.device)
-        out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config, final_state=final_state)
+    entry_states, final_state, out = states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config)
     return Stages(config, dt_bht, decay_cumsum, entry_states, final_state, out)
 
 
-def whole_row_entry_states(x, b, init_state):
-    """The initial state as the one segment's entry state, [batch, heads, 1, state_size,
-    head_size] (transposed, as the state pass stores them), zeros without one."""
+def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=None, seq_idx=None):
+    """Stages 2 and 3 -> (entry_states, final_state, out). With one segment per row and no packed
+    sequences, compute_out's blocks walk whole rows from the initial state and leave the final
+    state, so the state pass has nothing to do."""
+    chunk = config.chunk_size
+    if seq_idx is not None or dt_bht.shape[2] // chunk > config.chunks_per_segment:
+        entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config,
+                                                   seq_idx=seq_idx)
+        out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config, z=z, seq_idx=seq_idx)
+        return entry_states, final_state, out
     batch, _, heads, head_size = x.shape
+    state_size = b.shape[3]
     if init_state is None:
-        return torch.zeros(batch, heads, 1, b.shape[3], head_size, dtype=torch.float32, device=x.device)
-    return init_state.transpose(-1, -2).unsqueeze(2).contiguous()
+        entry_states = torch.zeros(batch, heads, 1, state_size, head_size, dtype=torch.float32, device=x.device)
+    else:  # transposed, as the state pass stores entry states
+        entry_states = init_state.transpose(-1, -2).unsqueeze(2).contiguous()
+    final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
+    out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config, z=z, final_state=final_state)
+    return entry_states, final_state, out
 
 
 def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None = None,

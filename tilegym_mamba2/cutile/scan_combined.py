@@ -11,10 +11,8 @@ import torch
 
 from ..layer_reference import _returns
 from ..validation import check_scan_combined_args, seq_idx_from_cu_seqlens
-from . import compile_errors_explained, config_for
+from . import compile_errors_explained, config_for, states_and_out
 from .chunk_cumsum import chunk_cumsum
-from .compute_out import compute_out
-from .fwd_pass_state import fwd_pass_state
 from .sequence_init import add_sequence_initial_states
 from .varlen_states import varlen_states
 
@@ -60,8 +58,8 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
 
     # The clamp is applied even at (0, inf), as the definition (layer_reference.process_dt) says.
     dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=dt_bias, softplus=dt_softplus, dt_limit=dt_limit)
-    entry_states, final_states = fwd_pass_state(x, B, dt_bht, decay_cumsum, row_init, chunk, config, seq_idx=seq)
-    out = compute_out(x, B, C, D, dt_bht, decay_cumsum, entry_states, chunk, config, z=z, seq_idx=seq)
+    entry_states, final_states, out = states_and_out(x, B, C, D, dt_bht, decay_cumsum, row_init, config, z=z,
+                                                     seq_idx=seq)
     varlen = None
     if with_varlen_states or per_sequence_init:
         varlen = varlen_states(x, B, dt_bht, decay_cumsum, seq, cu_seqlens, entry_states, chunk, config,
