@@ -20,9 +20,9 @@
 #                                           timing job per GPU: 0 the grid with the peers; 1 tilegym's
 #                                           op next to ours on the 2.7B layer, group scores
 #                                           on/off, first calls with empty caches
-#   bash benchmarks/device_check.sh profile first calls with empty caches (profiled), the compute_out
-#                                           prefetch variants, and on a second GPU the layer GPU tests
-#                                           and the layer benchmark (NOTES.md, plan)
+#   bash benchmarks/device_check.sh profile 2 GPUs: every GPU test on GPU 1; on GPU 0 first calls with
+#                                           empty caches (profiled), whole rows against segments, the
+#                                           compute_out prefetch variants (NOTES.md, plan)
 # e.g. run(command="source .device/setup.sh && bash benchmarks/device_check.sh tests", carry=[".device"])
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
@@ -117,15 +117,18 @@ bench.run(shapes=[bench.ANCHOR_SHAPES[1]], only=['tilegym'], out_json='$out/tile
   cat "$out/group_scores_op.log" "$out/first_call.log" | grep -E "chosen|call"
   ;;
 profile)
-  # GPU 1, cores 8-31: the layer and mamba_ssm GPU tests, then the layer benchmark. GPU 0, cores
-  # 0-7: first calls in fresh processes (empty caches; unseen reuses plain's compiled kernels),
+  # GPU 1: every GPU test, three processes on cores 8-31. GPU 0, cores 0-7: first calls in fresh
+  # processes (empty caches; unseen reuses plain's compiled kernels), whole rows against segments,
   # then compute_out_prefetch.py.
   limit=${LIMIT_S:-540}
-  (export CUDA_VISIBLE_DEVICES=1
-   taskset -c 8-31 timeout -s INT $((limit - 200)) python3 -m pytest -q -m gpu tests/test_layer_cutile_gpu.py \
-     tests/test_layer_gpu.py tests/test_main.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1
-   taskset -c 8-31 timeout 180 python3 -m tilegym_mamba2 bench --layer --json "$out/layer.json" \
-     > "$out/layer.log" 2>&1) &
+  gpu_test() {  # cores, log, test paths...
+    local cores=$1 log=$2; shift 2
+    CUDA_VISIBLE_DEVICES=1 taskset -c "$cores" timeout -s INT "$limit" python3 -m pytest -q -m gpu "$@" \
+      -p no:cacheprovider --tb=short -rfE > "$out/$log" 2>&1
+  }
+  gpu_test 8-15 gpu_cutile.log tests/cutile &
+  gpu_test 16-23 gpu_layer_cutile.log tests/test_layer_cutile_gpu.py &
+  gpu_test 24-31 gpu_layer.log tests/test_layer_gpu.py tests/test_main.py &
   export CUDA_VISIBLE_DEVICES=0
   kernels=$(mktemp -d)
   for run in "plain" "unseen --profile" "layer --profile"; do
@@ -133,10 +136,14 @@ profile)
     CUDA_TILE_CACHE_DIR=$dir TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 timeout 80 \
       python3 benchmarks/variants/first_call.py $run > "$out/first_${run%% *}.log" 2>&1
   done
-  taskset -c 0-7 timeout 200 python3 benchmarks/variants/compute_out_prefetch.py > "$out/prefetch.log" 2>&1
+  taskset -c 0-7 timeout 150 python3 benchmarks/variants/whole_rows.py > "$out/whole_rows.log" 2>&1
+  taskset -c 0-7 timeout 150 python3 benchmarks/variants/compute_out_prefetch.py > "$out/prefetch.log" 2>&1
   wait
-  grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$out/gpu_layer.log" | tail -15; tail -6 "$out/layer.log"
-  grep -h "call" "$out"/first_*.log | grep -v -i warn | head -3; grep -v -i warn "$out/prefetch.log"
+  for log in "$out"/gpu_*.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -15
+  done
+  grep -h "call" "$out"/first_*.log | grep -v -i warn | head -3
+  grep -v -i warn "$out/whole_rows.log" "$out/prefetch.log"
   ;;
 *) echo "usage: $0 tests|bench|x4|ab|x2|profile" >&2; exit 2 ;;
 esac
