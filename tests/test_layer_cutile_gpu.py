@@ -53,10 +53,12 @@ def test_cutile_layer_against_float64(case):
     assert_close_to_reference(where, rows, (out, final, varlen), (ref_out, ref_final, ref_varlen))
 
 
-def test_no_options_is_the_plain_op(monkeypatch):
+def test_no_options_is_the_plain_op(monkeypatch, tmp_path):
     """Without options the layer op runs the plain op's kernels: at the same config (each op
-    tunes its own segment length, so both take the heuristic here), the same bits."""
+    tunes its own segment length, so both take the heuristic here: no measuring, and no choice
+    saved by an earlier test), the same bits."""
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
+    monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
     inputs, _, _, _, _ = build(Case("plain", [[3000]], 128, seed=11))
     x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
     D = torch.randn(x.shape[2], device=x.device)

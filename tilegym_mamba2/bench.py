@@ -189,13 +189,13 @@ def stage_times(shapes, log=print):
         config = config_for(*args)
         chunk = config.chunk_size
         dt_bht, g = stages["chunk_cumsum"].chunk_cumsum(dt, a, chunk)
-        entry, _ = stages["fwd_pass_state"].fwd_pass_state(x, b, dt_bht, g, init, chunk, config)
+        entry, final = stages["fwd_pass_state"].fwd_pass_state(x, b, dt_bht, g, init, chunk, config)
         times = dict(
             chunk_cumsum=measure(lambda: stages["chunk_cumsum"].chunk_cumsum(dt, a, chunk)),
             fwd_pass_state=measure(lambda: stages["fwd_pass_state"].fwd_pass_state(x, b, dt_bht, g, init, chunk,
                                                                                    config)),
-            compute_out=measure(lambda: stages["compute_out"].compute_out(x, b, c, d, dt_bht, g, entry, chunk,
-                                                                          config)),
+            compute_out=measure(lambda: stages["compute_out"].compute_out(x, b, c, d, dt_bht, g, entry, final,
+                                                                          chunk, config)),
             whole_call=measure(lambda: mamba2_chunk_forward(**inputs)))
         rows.append(dict(shape=shape, config=asdict(config), ms=times))
         log(f"{str(shape):34s} " + "  ".join(f"{k} {v:.3f}" for k, v in times.items())

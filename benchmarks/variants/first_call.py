@@ -41,9 +41,12 @@ def timed(module, name, log):
 # tileiras) and the tileiras runs alone. compile_tile is imported where it is used, at call time,
 # so wrapping the module attribute catches every compile.
 import cuda.tile._compile as tile_compile  # noqa: E402
-compiles, tileiras_runs = [], []
+compiles, tileiras_runs, compiled = [], [], []
 timed(tile_compile, "compile_tile", compiles)
 timed(tile_compile, "compile_cubin", tileiras_runs)
+inner_compile = tile_compile.compile_tile
+tile_compile.compile_tile = lambda function, *a, **k: compiled.append(function.pyfunc.__name__) or inner_compile(
+    function, *a, **k)
 mode = sys.argv[1]
 if mode == "layer":
     args, _ = layer_inputs(LAYER_CASES[0])
@@ -69,7 +72,7 @@ start = time.perf_counter()
 call()
 print(f"{mode}: import {imported:.2f} s, first call {first:.2f} s, second call {time.perf_counter() - start:.4f} s; "
       f"{len(compiles)} kernel compiles took {sum(compiles):.2f} s, {len(tileiras_runs)} of them ran tileiras "
-      f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits", flush=True)
+      f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
 if profile:
     stats = pstats.Stats(profile)
     stats.sort_stats("cumulative").print_stats(30)

@@ -59,7 +59,7 @@ args = check_forward_args(**inputs, backend="cutile")
 x, a, b, c, d, dt, init, chunk = args
 config = config_for(*args)
 dt_bht, g = chunk_cumsum(dt, a, config.chunk_size)
-entry, _ = fwd_pass_state(x, b, dt_bht, g, init, config.chunk_size, config)
+entry, final = fwd_pass_state(x, b, dt_bht, g, init, config.chunk_size, config)
 pieces = {
     "whole call": call,
     "check_forward_args": lambda: check_forward_args(**inputs, backend="cutile"),
@@ -67,7 +67,7 @@ pieces = {
     "run_stages (config given)": lambda: run_stages(*args, config=config),
     "chunk_cumsum": lambda: chunk_cumsum(dt, a, config.chunk_size),
     "fwd_pass_state": lambda: fwd_pass_state(x, b, dt_bht, g, init, config.chunk_size, config),
-    "compute_out": lambda: compute_out(x, b, c, d, dt_bht, g, entry, config.chunk_size, config),
+    "compute_out": lambda: compute_out(x, b, c, d, dt_bht, g, entry, final, config.chunk_size, config),
     "torch.empty x4": lambda: [torch.empty(64, 1024, device="cuda") for _ in range(4)],
     "get_device_name": lambda: torch.cuda.get_device_name(x.device),
     "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,

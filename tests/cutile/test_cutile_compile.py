@@ -113,7 +113,7 @@ def test_one_segment_per_row_skips_the_state_pass():
     with recording_launches() as launches:
         stages = run_stages(x, a, b, b, d, dt, init, 64, config)
     assert [k._pyfunc.__name__ for k, _ in launches] == ["chunk_cumsum_kernel", "compute_out_kernel"]
-    assert torch.equal(stages.entry_states[:, :, 0], init.transpose(-1, -2))
+    assert torch.equal(stages.entry_states, init.transpose(-1, -2))
     assert stages.final_state.shape == (2, 4, 32, 64)
     with recording_launches() as launches:
         run_stages(x, a, b, b, d, dt, init, 64, replace(config, chunks_per_segment=4))  # 5 chunks: 2 segments

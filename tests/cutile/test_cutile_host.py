@@ -19,3 +19,43 @@ def test_compile_failures_inside_the_op_are_explained(monkeypatch):
     with pytest.raises(RuntimeError) as info:
         backend.mamba2_chunk_forward(*range(7), 64)
     assert info.value is failure
+
+
+def specialization(args) -> tuple:
+    """What cuTile's JIT compiles a kernel anew for, as far as the host's arrays go: per array its
+    dtype and, per dimension, whether it is 1 and whether it is divisible by 16 (its strides
+    likewise), and which arrays overlap in memory (alias groups). Scalars are not specialized."""
+    import torch
+    arrays = [a for a in args if isinstance(a, torch.Tensor)]
+    spans = [(a.data_ptr(), a.data_ptr() + a.element_size() * (1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))))
+             for a in arrays]
+    overlaps = tuple((i, j) for i in range(len(spans)) for j in range(i)
+                     if spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1])
+    return tuple((a.dtype, tuple((n == 1, n % 16 == 0) for n in a.shape), tuple(s % 16 == 0 for s in a.stride()))
+                 for a in arrays) + (overlaps,)
+
+
+@pytest.mark.parametrize("shape", [(4, 16384, 1, 8, 64, 128), (2, 1000, 1, 80, 64, 128), (2, 3000, 8, 32, 64, 256)])
+def test_every_segment_length_shares_compiled_kernels(shape):
+    """The tuner's candidates differ only in the segment length, a runtime argument: each kernel
+    must be launched with one specialization for all of them (whole rows included), or the first
+    call compiles it once per candidate."""
+    pytest.importorskip("cuda.tile")
+    import torch
+    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.cutile.tuning import candidates, choose_config, whole_row_chunks
+    batch, tokens, groups, heads, head_size, state_size = shape
+    x = torch.empty(batch, tokens, heads, head_size, dtype=torch.bfloat16)
+    b = torch.empty(batch, tokens, groups, state_size, dtype=torch.bfloat16)
+    a, d, dt = torch.empty(heads), torch.empty(heads), torch.empty(batch, tokens, heads, dtype=torch.bfloat16)
+    init = torch.empty(batch, heads, head_size, state_size)
+    base = choose_config(batch, tokens, groups, heads, head_size, state_size, 128)
+    tried = candidates(base, whole_row_chunks(batch, tokens, heads, head_size, base))
+    seen = {}
+    for config in tried:
+        with recording_launches() as launches:
+            run_stages(x, a, b, b, d, dt, init, 128, config)
+        for kernel, args in launches:
+            seen.setdefault(kernel._pyfunc.__name__, set()).add(specialization(args))
+    assert len(tried) >= 3 and {name: len(keys) for name, keys in seen.items()} == {name: 1 for name in seen}

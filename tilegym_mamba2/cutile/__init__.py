@@ -26,7 +26,7 @@ class Stages:
     config: Config
     dt_bht: torch.Tensor
     decay_cumsum: torch.Tensor
-    entry_states: torch.Tensor
+    entry_states: torch.Tensor  # [batch, heads, segments * state_size, head_size] (fwd_pass_state.py)
     final_state: torch.Tensor
     out: torch.Tensor
 
@@ -72,16 +72,18 @@ def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=No
     if seq_idx is not None or dt_bht.shape[2] // chunk > config.chunks_per_segment:
         entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config,
                                                    seq_idx=seq_idx)
-        out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config, z=z, seq_idx=seq_idx)
+        out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk, config, z=z,
+                          seq_idx=seq_idx)
         return entry_states, final_state, out
     batch, _, heads, head_size = x.shape
     state_size = b.shape[3]
     if init_state is None:
-        entry_states = torch.zeros(batch, heads, 1, state_size, head_size, dtype=torch.float32, device=x.device)
+        entry_states = torch.zeros(batch, heads, state_size, head_size, dtype=torch.float32, device=x.device)
     else:  # transposed, as the state pass stores entry states
-        entry_states = init_state.transpose(-1, -2).unsqueeze(2).contiguous()
+        entry_states = init_state.transpose(-1, -2).contiguous()
     final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
-    out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk, config, z=z, final_state=final_state)
+    out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk, config, z=z,
+                      store_final=True)
     return entry_states, final_state, out
 
 

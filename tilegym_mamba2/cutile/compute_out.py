@@ -30,15 +30,16 @@ NO_SKIP, SKIP_PER_HEAD, SKIP_PER_CHANNEL = 0, 1, 2
 def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, entry_states, out, final_state,
                        store_final, chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                        state_size: ct.Constant[int], skip_mode: ct.Constant[int],
-                       has_z: ct.Constant[bool], has_seq: ct.Constant[bool], has_scores: ct.Constant[bool]):
+                       has_z: ct.Constant[bool], has_seq: ct.Constant[bool], has_scores: ct.Constant[bool],
+                       load_latency: ct.Constant[int]):
     batch_head, segment, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
     group = head // (heads // b.shape[2])
     num_chunks = dt_bht.shape[2] // chunk_size
 
-    state = ct.load(entry_states, (batch, head, segment, p_tile, 0), (1, 1, 1, head_tile, state_size),
-                    order=(0, 1, 2, 4, 3)).reshape((head_tile, state_size))
+    state = ct.load(entry_states, (batch, head, p_tile, segment), (1, 1, head_tile, state_size),
+                    order=(0, 1, 3, 2)).reshape((head_tile, state_size))
     if skip_mode == SKIP_PER_CHANNEL:
         skip = ct.load(d, (head, p_tile), (1, head_tile))
     elif skip_mode == SKIP_PER_HEAD:
@@ -46,6 +47,7 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
     token = ct.arange(chunk_size, dtype=ct.int32)
     causal = token[:, None] >= token[None, :]
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
+    hint = None if load_latency == 0 else load_latency  # 0: the compiler's own estimate
 
     first = segment * chunks_per_segment
     if has_seq:
@@ -53,11 +55,11 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
         state_seq = ct.load(seq_idx, (batch, max(first * chunk_size - 1, 0)), (1, 1)).reshape((1,))
     for chunk in range(first, min(first + chunks_per_segment, num_chunks)):
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
+                         padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, head_tile))
         b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+                         padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+                         padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, state_size))
         dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
@@ -103,24 +105,24 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
         ct.store(final_state, (batch, head, p_tile, 0), state.reshape((1, 1, head_tile, state_size)))
 
 
-def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, chunk_size, config, *, z=None, seq_idx=None,
-                final_state=None):
-    """d: [heads], [heads, head_size] or None; z: like x or None; seq_idx: [batch, tokens] int32
-    or None; final_state: None, or [batch, heads, head_size, state_size] fp32 to receive the state
-    after the last chunk, when there is one segment per row (its block walks the whole row).
+def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk_size, config, *,
+                store_final=False, z=None, seq_idx=None):
+    """entry_states: [batch, heads, segments * state_size, head_size] fp32, as the state pass
+    leaves them; d: [heads], [heads, head_size] or None; z: like x or None; seq_idx: [batch, tokens]
+    int32 or None; final_state: [batch, heads, head_size, state_size] fp32, written when
+    ``store_final`` (one segment per row: its block walks the whole row), else unread.
     -> out [batch, tokens, heads, head_size] in x's dtype."""
     batch, _, heads, head_size = x.shape
-    segments = entry_states.shape[2]
+    segments = -(-(dt_bht.shape[2] // chunk_size) // config.chunks_per_segment)
     out = new_output(*x.shape, dtype=x.dtype, device=x.device)
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
-    unused = dt_bht  # stands in for absent optional arrays; never read (final_state: any rank-4 fp32)
+    unused = dt_bht  # stands in for absent optional arrays; never read
     scores = group_scores(b, c, dt_bht.shape[2] // chunk_size, chunk_size) if config.group_scores else None
     grid = (batch * heads, segments, head_size // config.out_head_tile)
     launch(grid, compute_out_kernel,
            (x, b, c, unused if d is None else d, unused if z is None else z,
             unused if seq_idx is None else seq_idx, unused if scores is None else scores, dt_bht, decay_cumsum,
-            entry_states, out, entry_states[:, :, 0] if final_state is None else final_state,
-            int(final_state is not None),
+            entry_states, out, final_state, int(store_final),
             config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
-            z is not None, seq_idx is not None, scores is not None))
+            z is not None, seq_idx is not None, scores is not None, config.out_load_latency))
     return out

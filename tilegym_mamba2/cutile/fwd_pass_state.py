@@ -19,6 +19,12 @@ Packed sequences (``seq_idx``, sorted along tokens): a segment's local state kee
 tokens of the sequence it ends in, and when that sequence started inside the segment its
 decay is stored as -inf, so the scan drops the entry state there (exp2(-inf) = 0). An entry
 state may then belong to an earlier sequence; ``compute_out`` masks it per token.
+
+Segments are stacked along one axis with the state's rows, [batch, heads, segments *
+state_size, head_size], and segment_decay is padded to a multiple of 16 segments: cuTile
+compiles a kernel once per pattern of array dimensions that are 1 or divisible by 16, so with a
+segment axis of its own every segment length the tuner tries would compile the three state
+kernels and compute_out again (NOTES.md, experiment 24).
 """
 import cuda.tile as ct
 import torch
@@ -30,7 +36,7 @@ from .launch import launch, new_output
 def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, segment_decay,
                           chunks_per_segment, chunk_size: ct.Constant[int],
                           head_tile: ct.Constant[int], state_tile: ct.Constant[int],
-                          has_seq: ct.Constant[bool]):
+                          has_seq: ct.Constant[bool], load_latency: ct.Constant[int]):
     batch_head, segment, tile = ct.bid(0), ct.bid(1), ct.bid(2)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -39,6 +45,7 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
     p_tile, n_tile = tile // state_tiles, tile % state_tiles
     num_chunks = dt_bht.shape[2] // chunk_size
 
+    hint = None if load_latency == 0 else load_latency  # 0: the compiler's own estimate
     state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
     later_decay = ct.zeros((1,), dtype=ct.float32)
     first = segment * chunks_per_segment
@@ -50,9 +57,9 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
     for i in range(last - first):
         chunk = last - 1 - i
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
+                         padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, head_tile))
         b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),
-                      padding_mode=ct.PaddingMode.ZERO).reshape((state_tile, chunk_size))
+                      padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((state_tile, chunk_size))
         dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
@@ -62,8 +69,8 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
             weight = ct.where(seq.reshape((chunk_size,)) == end_seq, weight, 0.0)
         state_t = ct.mma((b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype), x_tile, state_t)
         later_decay = later_decay + g_last
-    ct.store(local_states, (batch, head, segment, n_tile, p_tile),
-             state_t.reshape((1, 1, 1, state_tile, head_tile)))
+    ct.store(local_states, (batch, head, segment * state_tiles + n_tile, p_tile),
+             state_t.reshape((1, 1, state_tile, head_tile)))
     if has_seq:
         later_decay = ct.where(before_seq == end_seq, later_decay, -float("inf"))
     ct.store(segment_decay, (batch, head, segment), later_decay.reshape((1, 1, 1)))
@@ -76,13 +83,13 @@ wide_segment_states_kernel = segment_states_kernel.replace_hints(occupancy=2)
 
 
 @ct.kernel
-def state_scan_kernel(local_states, segment_decay, init_state, seq_idx, entry_states, final_state,
+def state_scan_kernel(local_states, segment_decay, init_state, seq_idx, entry_states, final_state, segments,
                       has_init: ct.Constant[bool], head_tile: ct.Constant[int],
                       state_tile: ct.Constant[int], has_seq: ct.Constant[bool]):
     batch_head, tile = ct.bid(0), ct.bid(1)
     heads = local_states.shape[1]
     batch, head = batch_head // heads, batch_head % heads
-    state_tiles = ct.cdiv(local_states.shape[3], state_tile)
+    state_tiles = ct.cdiv(final_state.shape[3], state_tile)
     p_tile, n_tile = tile // state_tiles, tile % state_tiles
 
     if has_init:
@@ -96,17 +103,16 @@ def state_scan_kernel(local_states, segment_decay, init_state, seq_idx, entry_st
         state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
     # The walk is serial but its loads are not: each step loads the next segment's decay and
     # local state before it combines the current one, so a load's latency overlaps a step.
-    segments = local_states.shape[2]
     decay = ct.load(segment_decay, (batch, head, 0), (1, 1, 1)).reshape((1, 1))
-    local = ct.load(local_states, (batch, head, 0, n_tile, p_tile),
-                    (1, 1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
+    local = ct.load(local_states, (batch, head, n_tile, p_tile), (1, 1, state_tile, head_tile)).reshape(
+        (state_tile, head_tile))
     for segment in range(segments):
-        ct.store(entry_states, (batch, head, segment, n_tile, p_tile),
-                 state_t.reshape((1, 1, 1, state_tile, head_tile)))
+        ct.store(entry_states, (batch, head, segment * state_tiles + n_tile, p_tile),
+                 state_t.reshape((1, 1, state_tile, head_tile)))
         following = min(segment + 1, segments - 1)  # the last step reloads its own: harmless
         next_decay = ct.load(segment_decay, (batch, head, following), (1, 1, 1)).reshape((1, 1))
-        next_local = ct.load(local_states, (batch, head, following, n_tile, p_tile),
-                             (1, 1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
+        next_local = ct.load(local_states, (batch, head, following * state_tiles + n_tile, p_tile),
+                             (1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
         state_t = state_t * ct.exp2(decay) + local
         decay, local = next_decay, next_local
     ct.store(final_state, (batch, head, n_tile, p_tile), state_t.reshape((1, 1, state_tile, head_tile)),
@@ -115,16 +121,17 @@ def state_scan_kernel(local_states, segment_decay, init_state, seq_idx, entry_st
 
 def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config, seq_idx=None):
     """seq_idx: [batch, tokens] int32 sequence ids, or None for one sequence per row.
-    -> (entry_states [batch, heads, segments, state_size, head_size] fp32 (transposed states),
-           final_state [batch, heads, head_size, state_size] fp32)."""
+    -> (entry_states [batch, heads, segments * state_size, head_size] fp32 (transposed states,
+           segment s in rows s * state_size onwards),
+        final_state [batch, heads, head_size, state_size] fp32)."""
     batch, _, heads, head_size = x.shape
     state_size = b.shape[3]
     num_chunks = dt_bht.shape[2] // chunk_size
     per_segment = config.chunks_per_segment
     segments = -(-num_chunks // per_segment)
-    states_shape = (batch, heads, segments, state_size, head_size)
-    local_states, entry_states = new_output(2, *states_shape, dtype=torch.float32, device=x.device).unbind(0)
-    segment_decay = new_output(batch, heads, segments, dtype=torch.float32, device=x.device)
+    local_states, entry_states = new_output(2, batch, heads, segments * state_size, head_size,
+                                            dtype=torch.float32, device=x.device).unbind(0)
+    segment_decay = new_output(batch, heads, -(-segments // 16) * 16, dtype=torch.float32, device=x.device)
     final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
 
     hp, np_ = config.state_head_tile, config.state_tile
@@ -134,12 +141,12 @@ def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config, s
     kernel = segment_states_kernel if hp * np_ <= 4096 else wide_segment_states_kernel
     launch((batch * heads, segments, tiles), kernel,
            (x, b, dt_bht, decay_cumsum, seq, local_states, segment_decay, per_segment, chunk_size, hp, np_,
-            has_seq))
+            has_seq, config.state_load_latency))
     # The scan is a serial walk over segments that moves little data: narrow tiles give more
     # blocks for the same walk (32 x 64 measured 10-30% faster than 64 x 64 on the N=128 shapes).
     has_init = init_state is not None
     scan_hp, scan_np = min(head_size, 64), min(state_size, 32)
     launch((batch * heads, (head_size // scan_hp) * (state_size // scan_np)), state_scan_kernel,
            (local_states, segment_decay, init_state if has_init else final_state, seq,
-            entry_states, final_state, has_init, scan_hp, scan_np, has_seq))
+            entry_states, final_state, segments, has_init, scan_hp, scan_np, has_seq))
     return entry_states, final_state

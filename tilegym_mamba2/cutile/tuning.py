@@ -22,6 +22,8 @@ class Config:
     state_tile: int           # ... by state_size rows
     out_head_tile: int        # compute_out: head_size columns per block (the state it carries)
     group_scores: bool        # compute_out reads C·B^T computed once per group (group_scores.py)
+    out_load_latency: int = 0    # compute_out's x, B, C loads: cuTile latency hint 1-10, 0 = none
+    state_load_latency: int = 0  # segment_states' x, B loads: the same
 
 
 @functools.cache
@@ -50,9 +52,13 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
         state_tile, state_head_tile = 64, min(head_size, 64)
     else:
         state_tile, state_head_tile = state_size, min(head_size, max(64, 8192 // state_size))
+    # compute_out's loads hinted at the lowest DRAM latency (1), alone, same inputs (NOTES.md,
+    # experiment 23): -24% to -27% at N=128, P=64; -4% at N=64, P=128; +6% at N=256, where the
+    # compiler's own choice stays.
+    out_load_latency = 1 if state_size <= 128 else 0
     return Config(chunk_size=kernel_chunk, chunks_per_segment=chunks_per_segment,
                   state_head_tile=state_head_tile, state_tile=state_tile,
-                  out_head_tile=out_head_tile, group_scores=group_scores)
+                  out_head_tile=out_head_tile, group_scores=group_scores, out_load_latency=out_load_latency)
 
 
 @functools.cache
@@ -69,7 +75,8 @@ def _multiprocessor_count(device) -> int:
 # kept per (GPU, dtype, size bucket) in memory and in a JSON file, so a new token count in
 # the same bucket, or a new process, tunes nothing again.
 #
-#   TILEGYM_MAMBA2_TUNE=0           never measure: the heuristic alone (default: measure on the
+#   TILEGYM_MAMBA2_TUNE=0           never measure: a choice already saved for the bucket, else the
+#                                   heuristic (default: measure on the
 #                                   first call of a new bucket; GPU-tested, tests/cutile/test_cutile_gpu.py)
 #   TILEGYM_MAMBA2_CACHE_DIR=path   where configs.json lives (default ~/.cache/tilegym-mamba2)
 

@@ -24,8 +24,8 @@ def varlen_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_
     segment = last_chunk // chunks_per_segment
     first = segment * chunks_per_segment
     before_seq = ct.load(seq_idx, (0, max(first * chunk_size - 1, 0)), (1, 1)).reshape((1, 1))
-    state_t = ct.load(entry_states, (0, head, segment, n_tile, p_tile),
-                      (1, 1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
+    state_t = ct.load(entry_states, (0, head, segment * state_tiles + n_tile, p_tile),
+                      (1, 1, state_tile, head_tile)).reshape((state_tile, head_tile))
     state_t = ct.where(before_seq == sequence, state_t, 0.0)
     token = ct.arange(chunk_size, dtype=ct.int32)
     for chunk in range(first, last_chunk + 1):
