@@ -15,6 +15,8 @@
 #                                           timing job per GPU: 0 the grid with the peers, then the
 #                                           layer benchmark; 1 tilegym's op next to ours on the
 #                                           source config and the 2.7B layer
+#   bash benchmarks/device_check.sh explore 2 GPUs: config variants of the whole op on GPU 0 (CONFIG_VARIANTS,
+#                                           variants/config_op.py), stage timings on GPU 1
 #   bash benchmarks/device_check.sh verify  2 GPUs: every GPU test on GPU 1; on GPU 0 cold first calls,
 #                                           then the whole op at config variants (CONFIG_VARIANTS,
 #                                           variants/config_op.py)
@@ -76,6 +78,17 @@ bench.run(shapes=bench.ANCHOR_SHAPES[:2], only=['tilegym'], tilegym_shapes=2, ou
   taskset -c 0-7 timeout 140 python3 -m tilegym_mamba2 bench --layer --json "$out/layer.json" > "$out/layer.log" 2>&1
   wait
   grep -A12 "^| B, T" "$out/grid.log"; tail -8 "$out/layer.log"; tail -6 "$out/tilegym.log"
+  ;;
+explore)
+  # 2 GPUs, nothing else running. GPU 0, cores 0-7: the whole op at config variants
+  # (CONFIG_VARIANTS, variants/config_op.py). GPU 1, cores 8-15: stage timings of the plain op.
+  CUDA_VISIBLE_DEVICES=1 taskset -c 8-15 timeout 200 python3 -m tilegym_mamba2 bench --only --stages \
+    --json "$out/stages.json" > "$out/stages.log" 2>&1 &
+  (cd benchmarks/variants && CUDA_VISIBLE_DEVICES=0 TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 \
+     timeout 240 python3 config_op.py ${CONFIG_VARIANTS:-}) > "$out/config_op.log" 2>&1
+  wait
+  grep whole_call "$out/stages.log" | cut -c1-150
+  grep -E "^\(|^  " "$out/config_op.log" | cut -c1-120
   ;;
 verify)
   # 2 GPUs. GPU 1: every GPU test, three processes on cores 8-31. GPU 0, cores 0-7, so that

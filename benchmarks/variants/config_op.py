@@ -1,12 +1,16 @@
 """Scratch (GPU): the whole plain op at the tuned config of each shape (the control) and at
-variants of it, each variant a few Config fields changed. All run in alternating rounds
+variants of it, each variant a few Config fields or kernel hints changed (a kernel hint,
+e.g. compute_out_kernel.occupancy=1, swaps in kernel.replace_hints(...) while the variant
+runs). All run in alternating rounds
 (CUDA-event medians of 30 after warm-up each) so that clock drift lands on every one; the
 median over rounds is reported, with whether the output equals the control's to the bit.
 
-    python3 benchmarks/variants/config_op.py [field=value[,field=value] ...]
+    cd benchmarks/variants && python3 config_op.py [field=value[,kernel.hint=value] ...]
 
-Without arguments: the load-latency hints (NOTES.md, experiment 23).
+Without arguments: the load-latency hints (NOTES.md, experiment 24).
 """
+import contextlib
+import importlib
 import statistics
 import sys
 from dataclasses import replace
@@ -20,12 +24,39 @@ from timing import median_ms
 
 SHAPES = [(4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64), (4, 65536, 1, 8, 128, 64),
           (1, 2048, 1, 32, 128, 64), (8, 4096, 1, 32, 64, 128), (2, 8192, 8, 64, 256, 64)]
-DEFAULT_VARIANTS = ["out_load_latency=0", "out_load_latency=2", "out_load_latency=1,state_load_latency=1",
-                    "out_load_latency=0,state_load_latency=1"]
+DEFAULT_VARIANTS = ["out_load_latency=0", "out_load_latency=2"]
 
 
-def parse(variant: str) -> dict:
-    return {field: int(value) for field, value in (item.split("=") for item in variant.split(","))}
+# The package's __init__ re-exports the stage functions under the modules' names.
+output_stage = importlib.import_module("tilegym_mamba2.cutile.compute_out")
+state_pass = importlib.import_module("tilegym_mamba2.cutile.fwd_pass_state")
+KERNEL_MODULES = {"compute_out_kernel": output_stage, "segment_states_kernel": state_pass,
+                  "wide_segment_states_kernel": state_pass}
+
+
+def parse(variant: str) -> tuple[dict, dict]:
+    """'a=1,k.h=2' -> ({a: 1}, {k: {h: 2}})"""
+    fields, hints = {}, {}
+    for item in variant.split(","):
+        name, value = item.split("=")
+        if "." in name:
+            kernel, hint = name.split(".")
+            hints.setdefault(kernel, {})[hint] = int(value)
+        else:
+            fields[name] = int(value)
+    return fields, hints
+
+
+@contextlib.contextmanager
+def hinted(hints: dict):
+    originals = {kernel: getattr(KERNEL_MODULES[kernel], kernel) for kernel in hints}
+    try:
+        for kernel, kernel_hints in hints.items():
+            setattr(KERNEL_MODULES[kernel], kernel, originals[kernel].replace_hints(**kernel_hints))
+        yield
+    finally:
+        for kernel, original in originals.items():
+            setattr(KERNEL_MODULES[kernel], kernel, original)
 
 
 variants = sys.argv[1:] or DEFAULT_VARIANTS
@@ -34,16 +65,25 @@ for shape in SHAPES:
     args = check_forward_args(**forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False)),
                               backend="cutile")
     tuned = config_for(*args)
-    configs = {"control": tuned} | {v: replace(tuned, **parse(v)) for v in variants}
+    configs = {"control": (tuned, {})}
+    for v in variants:
+        fields, hints = parse(v)
+        configs[v] = (replace(tuned, **fields), hints)
     control = run_stages(*args, config=tuned)
-    same = {}
-    for name, config in configs.items():
-        stages = run_stages(*args, config=config)
-        same[name] = torch.equal(stages.out, control.out) and torch.equal(stages.final_state, control.final_state)
-    rounds = {name: [] for name in configs}
+    same, rounds = {}, {name: [] for name in configs}
+    for name, (config, hints) in configs.items():
+        try:
+            with hinted(hints):
+                stages = run_stages(*args, config=config)
+            same[name] = torch.equal(stages.out, control.out) and torch.equal(stages.final_state, control.final_state)
+        except Exception as e:  # a variant that does not compile is a result too
+            print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            del rounds[name]
     for _ in range(5):
-        for name, config in configs.items():
-            rounds[name].append(median_ms(lambda: run_stages(*args, config=config), reps=30))
+        for name in rounds:
+            config, hints = configs[name]
+            with hinted(hints):
+                rounds[name].append(median_ms(lambda: run_stages(*args, config=config), reps=30))
     base = statistics.median(rounds["control"])
     print(f"{shape}  tuned {tuned}", flush=True)
     for name, times in rounds.items():

@@ -36,7 +36,7 @@ from .launch import launch, new_output
 def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, segment_decay,
                           chunks_per_segment, chunk_size: ct.Constant[int],
                           head_tile: ct.Constant[int], state_tile: ct.Constant[int],
-                          has_seq: ct.Constant[bool], load_latency: ct.Constant[int]):
+                          has_seq: ct.Constant[bool]):
     batch_head, segment, tile = ct.bid(0), ct.bid(1), ct.bid(2)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -45,7 +45,6 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
     p_tile, n_tile = tile // state_tiles, tile % state_tiles
     num_chunks = dt_bht.shape[2] // chunk_size
 
-    hint = None if load_latency == 0 else load_latency  # 0: the compiler's own estimate
     state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
     later_decay = ct.zeros((1,), dtype=ct.float32)
     first = segment * chunks_per_segment
@@ -57,9 +56,9 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
     for i in range(last - first):
         chunk = last - 1 - i
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
-                         padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, head_tile))
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
         b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),
-                      padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((state_tile, chunk_size))
+                      padding_mode=ct.PaddingMode.ZERO).reshape((state_tile, chunk_size))
         dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
@@ -141,7 +140,7 @@ def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config, s
     kernel = segment_states_kernel if hp * np_ <= 4096 else wide_segment_states_kernel
     launch((batch * heads, segments, tiles), kernel,
            (x, b, dt_bht, decay_cumsum, seq, local_states, segment_decay, per_segment, chunk_size, hp, np_,
-            has_seq, config.state_load_latency))
+            has_seq))
     # The scan is a serial walk over segments that moves little data: narrow tiles give more
     # blocks for the same walk (32 x 64 measured 10-30% faster than 64 x 64 on the N=128 shapes).
     has_init = init_state is not None

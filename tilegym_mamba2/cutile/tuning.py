@@ -22,8 +22,7 @@ class Config:
     state_tile: int           # ... by state_size rows
     out_head_tile: int        # compute_out: head_size columns per block (the state it carries)
     group_scores: bool        # compute_out reads C·B^T computed once per group (group_scores.py)
-    out_load_latency: int = 0    # compute_out's x, B, C loads: cuTile latency hint 1-10, 0 = none
-    state_load_latency: int = 0  # segment_states' x, B loads: the same
+    out_load_latency: int = 0  # compute_out's x, B, C loads: cuTile latency hint 1-10, 0 = none
 
 
 @functools.cache
@@ -52,9 +51,9 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
         state_tile, state_head_tile = 64, min(head_size, 64)
     else:
         state_tile, state_head_tile = state_size, min(head_size, max(64, 8192 // state_size))
-    # compute_out's loads hinted at the lowest DRAM latency (1), alone, same inputs (NOTES.md,
-    # experiment 23): -24% to -27% at N=128, P=64; -4% at N=64, P=128; +6% at N=256, where the
-    # compiler's own choice stays.
+    # compute_out's loads hinted at the lowest DRAM latency (NOTES.md, experiment 24): whole op
+    # -10% to -15% at N=128, P=64; none at N=64, P=128; kernel alone +6% at N=256, where the
+    # compiler's own choice stays. The same hint on the state pass's loads: -1% to +3%.
     out_load_latency = 1 if state_size <= 128 else 0
     return Config(chunk_size=kernel_chunk, chunks_per_segment=chunks_per_segment,
                   state_head_tile=state_head_tile, state_tile=state_tile,
