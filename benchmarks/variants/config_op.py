@@ -30,8 +30,7 @@ DEFAULT_VARIANTS = ["out_load_latency=0", "out_load_latency=2"]
 # The package's __init__ re-exports the stage functions under the modules' names.
 output_stage = importlib.import_module("tilegym_mamba2.cutile.compute_out")
 state_pass = importlib.import_module("tilegym_mamba2.cutile.fwd_pass_state")
-KERNEL_MODULES = {"compute_out_kernel": output_stage, "segment_states_kernel": state_pass,
-                  "wide_segment_states_kernel": state_pass}
+KERNEL_MODULES = {"segment_states_kernel": state_pass, "wide_segment_states_kernel": state_pass}
 
 
 def parse(variant: str) -> tuple[dict, dict]:
@@ -49,14 +48,21 @@ def parse(variant: str) -> tuple[dict, dict]:
 
 @contextlib.contextmanager
 def hinted(hints: dict):
+    """compute_out_kernel hints apply to every entry of compute_out.KERNELS."""
+    hints = dict(hints)
+    out_hints = hints.pop("compute_out_kernel", None)
     originals = {kernel: getattr(KERNEL_MODULES[kernel], kernel) for kernel in hints}
+    out_kernels = output_stage.KERNELS
     try:
         for kernel, kernel_hints in hints.items():
             setattr(KERNEL_MODULES[kernel], kernel, originals[kernel].replace_hints(**kernel_hints))
+        if out_hints:
+            output_stage.KERNELS = {k: v.replace_hints(**out_hints) for k, v in out_kernels.items()}
         yield
     finally:
         for kernel, original in originals.items():
             setattr(KERNEL_MODULES[kernel], kernel, original)
+        output_stage.KERNELS = out_kernels
 
 
 variants = sys.argv[1:] or DEFAULT_VARIANTS

@@ -125,3 +125,11 @@ def test_whole_rows_are_a_candidate_only_where_their_blocks_fill_the_gpu():
     # the source config: 4 x 8 heads = 32 blocks, most SMs would idle
     assert whole_row_chunks(4, 16384, 8, 64, choose_config(4, 16384, 1, 8, 64, 128, 128)) is None
     assert candidates(BASE, None) == candidates(BASE)
+
+
+def test_compute_out_hints_follow_the_state_size():
+    # (batch, tokens, groups, heads, head_size, state_size, chunk); NOTES.md, experiments 24 and 26
+    source, wide = choose_config(4, 16384, 1, 8, 64, 128, 128), choose_config(2, 8192, 8, 64, 64, 256, 128)
+    assert (source.out_load_latency, source.out_occupancy) == (1, 2)
+    assert (wide.out_load_latency, wide.out_occupancy) == (0, 1)
+    assert choose_config(8, 4096, 1, 32, 128, 64, 128).out_occupancy == 2

@@ -105,6 +105,10 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
         ct.store(final_state, (batch, head, p_tile, 0), state.reshape((1, 1, head_tile, state_size)))
 
 
+# By config.out_occupancy (tuning.py).
+KERNELS = {2: compute_out_kernel, 1: compute_out_kernel.replace_hints(occupancy=1)}
+
+
 def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk_size, config, *,
                 store_final=False, z=None, seq_idx=None):
     """entry_states: [batch, heads, segments * state_size, head_size] fp32, as the state pass
@@ -119,7 +123,7 @@ def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chu
     unused = dt_bht  # stands in for absent optional arrays; never read
     scores = group_scores(b, c, dt_bht.shape[2] // chunk_size, chunk_size) if config.group_scores else None
     grid = (batch * heads, segments, head_size // config.out_head_tile)
-    launch(grid, compute_out_kernel,
+    launch(grid, KERNELS[config.out_occupancy],
            (x, b, c, unused if d is None else d, unused if z is None else z,
             unused if seq_idx is None else seq_idx, unused if scores is None else scores, dt_bht, decay_cumsum,
             entry_states, out, final_state, int(store_final),

@@ -23,6 +23,7 @@ class Config:
     out_head_tile: int        # compute_out: head_size columns per block (the state it carries)
     group_scores: bool        # compute_out reads C·B^T computed once per group (group_scores.py)
     out_load_latency: int = 0  # compute_out's x, B, C loads: cuTile latency hint 1-10, 0 = none
+    out_occupancy: int = 2     # compute_out's blocks per SM (the kernel's occupancy hint): 1 or 2
 
 
 @functools.cache
@@ -55,9 +56,14 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
     # -10% to -15% at N=128, P=64; none at N=64, P=128; kernel alone +6% at N=256, where the
     # compiler's own choice stays. The same hint on the state pass's loads: -1% to +3%.
     out_load_latency = 1 if state_size <= 128 else 0
+    # With 64 x 256 B and C tiles, compute_out at two blocks per SM spills: one block per SM ran
+    # the whole op 2.4x faster at N=256 (1.73 -> 0.71 ms); at N=128 and N=64 it was 16-36% slower
+    # (NOTES.md, experiment 26).
+    out_occupancy = 1 if state_size > 128 else 2
     return Config(chunk_size=kernel_chunk, chunks_per_segment=chunks_per_segment,
                   state_head_tile=state_head_tile, state_tile=state_tile,
-                  out_head_tile=out_head_tile, group_scores=group_scores, out_load_latency=out_load_latency)
+                  out_head_tile=out_head_tile, group_scores=group_scores, out_load_latency=out_load_latency,
+                  out_occupancy=out_occupancy)
 
 
 @functools.cache
