@@ -12,9 +12,9 @@
 #                                           with the peers; 1 and 2 the two test halves; 3 the layer
 #                                           benchmark, then tilegym's own op on the source config
 #   bash benchmarks/device_check.sh x2      the final figures on a 2-GPU machine (nvidia-h200-x2), one
-#                                           timing job per GPU: 0 the grid with the peers, then the
-#                                           layer benchmark; 1 tilegym's op next to ours on the
-#                                           source config and the 2.7B layer
+#                                           timing job per GPU: 0 GPU tests picked by TESTS_K, the
+#                                           grid with the peers, the layer benchmark; 1 tilegym's op
+#                                           next to ours on the source config and the 2.7B layer
 #   bash benchmarks/device_check.sh explore 2 GPUs: config variants of the whole op on GPU 0 (CONFIG_VARIANTS,
 #                                           variants/config_op.py), stage timings on GPU 1
 #   bash benchmarks/device_check.sh verify  2 GPUs: every GPU test on GPU 1; on GPU 0 cold first calls,
@@ -65,18 +65,25 @@ x4)
   grep -A12 "^| B, T" "$out/grid.log"; tail -6 "$out/layer.log"; tail -4 "$out/tilegym.log"
   ;;
 x2)
-  # The final figures. GPU 0, cores 0-7: the grid with the peers, then the layer benchmark.
-  # GPU 1, cores 8-31: tilegym's op next to ours on the source config and the 2.7B layer (its
-  # autotune alone takes ~250 s per shape).
-  limit=${LIMIT_S:-540}
-  CUDA_VISIBLE_DEVICES=1 taskset -c 8-31 timeout $((limit + 30)) python3 -c "from tilegym_mamba2 import bench; \
+  # The final figures, one timing job per GPU. GPU 1, cores 8-31: tilegym's op next to ours on
+  # the source config and the 2.7B layer (its autotune alone takes ~250 s per shape). GPU 0,
+  # cores 0-7: the GPU tests named by TESTS_K (pytest -k; none when empty), then the grid with the
+  # peers, then the layer benchmark in what is left of LIMIT_S.
+  limit=${LIMIT_S:-570}
+  CUDA_VISIBLE_DEVICES=1 taskset -c 8-31 timeout "$limit" python3 -c "from tilegym_mamba2 import bench; \
 bench.run(shapes=bench.ANCHOR_SHAPES[:2], only=['tilegym'], tilegym_shapes=2, out_json='$out/tilegym.json')" \
     > "$out/tilegym.log" 2>&1 &
   export CUDA_VISIBLE_DEVICES=0
-  taskset -c 0-7 timeout $((limit - 150)) python3 -m tilegym_mamba2 bench --grid --only mamba_ssm fla \
+  if [ -n "${TESTS_K:-}" ]; then
+    taskset -c 0-7 timeout -s INT 120 python3 -m pytest -q -m gpu -k "$TESTS_K" tests/cutile \
+      tests/test_layer_cutile_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_tests.log" 2>&1
+  fi
+  taskset -c 0-7 timeout 360 python3 -m tilegym_mamba2 bench --grid --only mamba_ssm fla \
     --json "$out/grid.json" --png "$out/grid.png" > "$out/grid.log" 2>&1
-  taskset -c 0-7 timeout 140 python3 -m tilegym_mamba2 bench --layer --json "$out/layer.json" > "$out/layer.log" 2>&1
+  taskset -c 0-7 timeout $((limit - SECONDS)) python3 -m tilegym_mamba2 bench --layer --json "$out/layer.json" \
+    > "$out/layer.log" 2>&1
   wait
+  grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$out/gpu_tests.log" 2>/dev/null
   grep -A12 "^| B, T" "$out/grid.log"; tail -8 "$out/layer.log"; tail -6 "$out/tilegym.log"
   ;;
 explore)
