@@ -5,8 +5,6 @@ from tileiras and not from an earlier run. A compute_out compile at the model-li
 shape takes ~9 s on two CPU cores, so most cases use smaller tiles; fp32 inputs compile far
 more slowly and are left to the GPU tests.
 """
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -99,22 +97,3 @@ def test_compile_layer_op_every_option_sm90(per_sequence_init, heads):
     assert sorted(names) == sorted(expected), names
     assert all(size > 0 for _, size, _ in results)
 
-
-def test_one_segment_per_row_skips_the_state_pass():
-    """When a segment covers a whole row, compute_out starts from the initial state and leaves the
-    final state: no state-pass launches (the launches are recorded, nothing runs)."""
-    from tilegym_mamba2.cutile import run_stages
-    from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.cutile.tuning import choose_config
-    x, b = torch.randn(2, 300, 4, 32).bfloat16(), torch.randn(2, 300, 1, 64).bfloat16()
-    a, d, dt = -torch.rand(4), torch.randn(4), torch.rand(2, 300, 4)
-    init = torch.randn(2, 4, 32, 64)
-    config = replace(choose_config(2, 300, 1, 4, 32, 64, 64), chunks_per_segment=5, group_scores=False)
-    with recording_launches() as launches:
-        stages = run_stages(x, a, b, b, d, dt, init, 64, config)
-    assert [k._pyfunc.__name__ for k, _ in launches] == ["chunk_cumsum_kernel", "compute_out_kernel"]
-    assert torch.equal(stages.entry_states, init.transpose(-1, -2))
-    assert stages.final_state.shape == (2, 4, 32, 64)
-    with recording_launches() as launches:
-        run_stages(x, a, b, b, d, dt, init, 64, replace(config, chunks_per_segment=4))  # 5 chunks: 2 segments
-    assert "segment_states_kernel" in [k._pyfunc.__name__ for k, _ in launches]

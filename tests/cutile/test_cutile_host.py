@@ -59,3 +59,26 @@ def test_every_segment_length_shares_compiled_kernels(shape):
         for kernel, args in launches:
             seen.setdefault(kernel._pyfunc.__name__, set()).add(specialization(args))
     assert len(tried) >= 3 and {name: len(keys) for name, keys in seen.items()} == {name: 1 for name in seen}
+
+
+def test_one_segment_per_row_skips_the_state_pass():
+    """When a segment covers a whole row, compute_out starts from the initial state and leaves the
+    final state: no state-pass launches (the launches are recorded, nothing runs)."""
+    pytest.importorskip("cuda.tile")
+    import torch
+    from dataclasses import replace
+    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.cutile.tuning import choose_config
+    x, b = torch.randn(2, 300, 4, 32).bfloat16(), torch.randn(2, 300, 1, 64).bfloat16()
+    a, d, dt = -torch.rand(4), torch.randn(4), torch.rand(2, 300, 4)
+    init = torch.randn(2, 4, 32, 64)
+    config = replace(choose_config(2, 300, 1, 4, 32, 64, 64), chunks_per_segment=5, group_scores=False)
+    with recording_launches() as launches:
+        stages = run_stages(x, a, b, b, d, dt, init, 64, config)
+    assert [k._pyfunc.__name__ for k, _ in launches] == ["chunk_cumsum_kernel", "compute_out_kernel"]
+    assert torch.equal(stages.entry_states, init.transpose(-1, -2))
+    assert stages.final_state.shape == (2, 4, 32, 64)
+    with recording_launches() as launches:
+        run_stages(x, a, b, b, d, dt, init, 64, replace(config, chunks_per_segment=4))  # 5 chunks: 2 segments
+    assert "segment_states_kernel" in [k._pyfunc.__name__ for k, _ in launches]
