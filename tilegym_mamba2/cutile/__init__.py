@@ -17,7 +17,8 @@ from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
 from .launch import new_output
-from .tuning import Config, bucket_key, choose_config, tuned_config, tuning_switches, whole_row_chunks
+from .tuning import (Config, bucket_key, choose_config, segment_count, tuned_config, tuning_switches,
+                     whole_row_chunks)
 
 
 @dataclass
@@ -69,7 +70,7 @@ def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=No
     sequences, compute_out's blocks walk whole rows from the initial state and leave the final
     state, so the state pass has nothing to do."""
     chunk = config.chunk_size
-    if seq_idx is not None or dt_bht.shape[2] // chunk > config.chunks_per_segment:
+    if seq_idx is not None or segment_count(dt_bht, chunk, config) > 1:
         entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config,
                                                    seq_idx=seq_idx)
         out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk, config, z=z,

@@ -22,6 +22,7 @@ import cuda.tile as ct
 
 from .group_scores import group_scores
 from .launch import launch, new_output
+from .tuning import segment_count
 
 NO_SKIP, SKIP_PER_HEAD, SKIP_PER_CHANNEL = 0, 1, 2
 
@@ -117,7 +118,7 @@ def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chu
     ``store_final`` (one segment per row: its block walks the whole row), else unread.
     -> out [batch, tokens, heads, head_size] in x's dtype."""
     batch, _, heads, head_size = x.shape
-    segments = -(-(dt_bht.shape[2] // chunk_size) // config.chunks_per_segment)
+    segments = segment_count(dt_bht, chunk_size, config)
     out = new_output(*x.shape, dtype=x.dtype, device=x.device)
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
     unused = dt_bht  # stands in for absent optional arrays; never read

@@ -30,6 +30,7 @@ import cuda.tile as ct
 import torch
 
 from .launch import launch, new_output
+from .tuning import segment_count
 
 
 @ct.kernel(occupancy=4)
@@ -125,9 +126,8 @@ def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config, s
         final_state [batch, heads, head_size, state_size] fp32)."""
     batch, _, heads, head_size = x.shape
     state_size = b.shape[3]
-    num_chunks = dt_bht.shape[2] // chunk_size
     per_segment = config.chunks_per_segment
-    segments = -(-num_chunks // per_segment)
+    segments = segment_count(dt_bht, chunk_size, config)
     local_states, entry_states = new_output(2, batch, heads, segments * state_size, head_size,
                                             dtype=torch.float32, device=x.device).unbind(0)
     segment_decay = new_output(batch, heads, -(-segments // 16) * 16, dtype=torch.float32, device=x.device)

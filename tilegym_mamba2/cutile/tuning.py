@@ -26,6 +26,11 @@ class Config:
     out_occupancy: int = 2     # compute_out's blocks per SM (the kernel's occupancy hint): 1 or 2
 
 
+def segment_count(dt_bht, chunk_size, config: Config) -> int:
+    """Segments of ``config.chunks_per_segment`` chunks over dt_bht's chunk-padded tokens."""
+    return -(-(dt_bht.shape[2] // chunk_size) // config.chunks_per_segment)
+
+
 @functools.cache
 def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size, device=None) -> Config:
     sms = _multiprocessor_count(device)
