@@ -17,9 +17,10 @@
 #                                           next to ours on the source config and the 2.7B layer
 #   bash benchmarks/device_check.sh explore 2 GPUs: config variants of the whole op on GPU 0 (CONFIG_VARIANTS,
 #                                           variants/config_op.py), stage timings on GPU 1
-#   bash benchmarks/device_check.sh verify  2 GPUs: every GPU test on GPU 1; on GPU 0 cold first calls,
-#                                           then the whole op at config variants (CONFIG_VARIANTS,
-#                                           variants/config_op.py)
+#   bash benchmarks/device_check.sh verify  2 GPUs: every GPU test on GPU 1; on GPU 0 cold first calls
+#                                           (FIRST_CALL=0: none), the stages against their loads
+#                                           (LOAD_FLOOR=1, variants/load_floor.py), then the whole op at
+#                                           config variants (CONFIG_VARIANTS, variants/config_op.py)
 # e.g. run(command="source .device/setup.sh && bash benchmarks/device_check.sh tests", carry=[".device"])
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
@@ -113,18 +114,21 @@ verify)
   gpu_test 24-31 gpu_layer.log tests/test_layer_gpu.py tests/test_main.py &
   export CUDA_VISIBLE_DEVICES=0
   kernels=$(mktemp -d)
-  for mode in plain unseen layer; do
+  [ "${FIRST_CALL:-1}" = 1 ] && for mode in plain unseen layer; do
     [ "$mode" = layer ] && dir=$(mktemp -d) || dir=$kernels
     CUDA_TILE_CACHE_DIR=$dir TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 timeout 80 \
       python3 benchmarks/variants/first_call.py $mode 2>&1 | grep -v -i warn
   done > "$out/first_call.log"
-  (cd benchmarks/variants && TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 timeout 240 \
+  [ "${LOAD_FLOOR:-0}" = 1 ] && (cd benchmarks/variants && TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) \
+    taskset -c 0-7 timeout 150 python3 load_floor.py) > "$out/load_floor.log" 2>&1
+  (cd benchmarks/variants && TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) taskset -c 0-7 timeout "${CONFIG_S:-240}" \
      python3 config_op.py ${CONFIG_VARIANTS:-}) > "$out/config_op.log" 2>&1
   wait
   for log in "$out"/gpu_*.log; do
     echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -15
   done
-  grep "call" "$out/first_call.log"
+  grep "call" "$out/first_call.log" 2>/dev/null
+  grep -E "^\(|^  |read" "$out/load_floor.log" 2>/dev/null | cut -c1-150
   grep -E "^\(|^  " "$out/config_op.log" | cut -c1-120
   ;;
 *) echo "usage: $0 tests|bench|x4|ab|x2|profile" >&2; exit 2 ;;

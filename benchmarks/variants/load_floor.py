@@ -1,0 +1,180 @@
+"""Scratch (GPU): how close the two big stages are to the cost of their own loads.
+
+For each shape, at its tuned config, it times side by side (alternating rounds of CUDA-event
+medians, as config_op.py):
+
+* the real ``segment_states_kernel`` (+ scan) and ``compute_out``;
+* "traffic" kernels with the same grid, the same tile loads (shapes, order, padding, latency
+  hint) and the same stores, but no matmuls: each loaded tile is only summed, so the loads
+  cannot be dropped. compute_out's is run with and without its B and C loads, which every
+  (head, head tile) block repeats: the fp32 state a block carries in registers caps the head
+  columns one block covers (64 at state_size 128), so B and C are read again for every 64
+  output columns;
+* the L2 read ceiling of cuTile tile loads on this GPU: blocks summing 64 x 128 bf16 tiles of an
+  8 MB (L2-resident) array, and of a 2 GB one (DRAM).
+
+Bytes are what the blocks request (L2 -> SM), so GB/s here is comparable with the ceiling.
+
+    cd benchmarks/variants && python3 load_floor.py
+"""
+import importlib
+import statistics
+
+import cuda.tile as ct
+import torch
+
+from tilegym_mamba2.cutile.launch import launch
+from tilegym_mamba2.cutile.tuning import segment_count
+from timing import median_ms, tuned_inputs
+
+output_stage = importlib.import_module("tilegym_mamba2.cutile.compute_out")
+state_pass = importlib.import_module("tilegym_mamba2.cutile.fwd_pass_state")
+
+SHAPES = [(4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64)]
+
+
+@ct.kernel(occupancy=2)
+def out_traffic_kernel(x, b, c, dt_bht, decay_cumsum, out, sink, chunks_per_segment,
+                       chunk_size: ct.Constant[int], head_tile: ct.Constant[int], state_size: ct.Constant[int],
+                       with_bc: ct.Constant[bool], load_latency: ct.Constant[int]):
+    batch_head, segment, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    heads = x.shape[2]
+    batch, head = batch_head // heads, batch_head % heads
+    group = head // (heads // b.shape[2])
+    num_chunks = dt_bht.shape[2] // chunk_size
+    hint = None if load_latency == 0 else load_latency
+    acc = ct.zeros((chunk_size, state_size), dtype=ct.float32)
+    first = segment * chunks_per_segment
+    for chunk in range(first, min(first + chunks_per_segment, num_chunks)):
+        x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
+                         padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, head_tile))
+        if with_bc:
+            b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                             padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, state_size))
+            c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                             padding_mode=ct.PaddingMode.ZERO, latency=hint).reshape((chunk_size, state_size))
+            acc = acc + b_tile.astype(ct.float32) + c_tile.astype(ct.float32)
+        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        y = x_tile.astype(ct.float32) * (dt_tile + g)[:, None]
+        ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
+    block = (batch_head * ct.num_blocks(1) + segment) * ct.num_blocks(2) + p_tile
+    ct.store(sink, (block, 0), ct.sum(acc, axis=0).reshape((1, state_size)))
+
+
+@ct.kernel(occupancy=4)
+def state_traffic_kernel(x, b, dt_bht, decay_cumsum, sink, chunks_per_segment, chunk_size: ct.Constant[int],
+                         head_tile: ct.Constant[int], state_tile: ct.Constant[int]):
+    batch_head, segment, tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    heads = x.shape[2]
+    batch, head = batch_head // heads, batch_head % heads
+    group = head // (heads // b.shape[2])
+    state_tiles = ct.cdiv(b.shape[3], state_tile)
+    p_tile, n_tile = tile // state_tiles, tile % state_tiles
+    num_chunks = dt_bht.shape[2] // chunk_size
+    acc_x = ct.zeros((chunk_size, head_tile), dtype=ct.float32)
+    acc_b = ct.zeros((state_tile, chunk_size), dtype=ct.float32)
+    first = segment * chunks_per_segment
+    last = min(first + chunks_per_segment, num_chunks)
+    for i in range(last - first):
+        chunk = last - 1 - i
+        x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
+        b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((state_tile, chunk_size))
+        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        acc_x = acc_x + x_tile.astype(ct.float32) * (dt_tile + g)[:, None]
+        acc_b = acc_b + b_t.astype(ct.float32)
+    block = (batch_head * ct.num_blocks(1) + segment) * ct.num_blocks(2) + tile
+    ct.store(sink, (block, 0), (ct.sum(acc_x, axis=0) + ct.sum(acc_b, axis=1)).reshape((1, head_tile)))
+
+
+@ct.kernel(occupancy=2)
+def read_ceiling_kernel(src, sink, steps, stride):
+    block = ct.bid(0)
+    tiles = src.shape[0] // 64
+    acc = ct.zeros((64, 128), dtype=ct.float32)
+    for i in range(steps):
+        acc = acc + ct.load(src, ((block * stride + i) % tiles, 0), (64, 128)).astype(ct.float32)
+    ct.store(sink, (block, 0), ct.sum(acc, axis=0).reshape((1, 128)))
+
+
+def gbs(nbytes, ms):
+    return nbytes / ms / 1e6
+
+
+def rounds(runs: dict, n=5) -> dict:
+    times = {name: [] for name in runs}
+    for _ in range(n):
+        for name, fn in runs.items():
+            times[name].append(median_ms(fn, reps=30))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def stage_table(shape):
+    args, config, dt_bht, g = tuned_inputs(shape)
+    x, a, b, c, d, dt, init, chunk_size = args
+    batch, _, heads, head_size = x.shape
+    state_size, chunk = b.shape[3], config.chunk_size
+    segments = segment_count(dt_bht, chunk, config)
+    entry, final = state_pass.fwd_pass_state(x, b, dt_bht, g, init, chunk, config)
+    out = torch.empty_like(x)
+    ht = config.out_head_tile
+    out_grid = (batch * heads, segments, head_size // ht)
+    out_sink = torch.empty(batch * heads * segments * (head_size // ht), state_size, device=x.device)
+    hp, np_ = config.state_head_tile, config.state_tile
+    tiles = (head_size // hp) * (state_size // np_)
+    state_grid = (batch * heads, segments, tiles)
+    state_sink = torch.empty(batch * heads * segments * tiles, hp, device=x.device)
+    runs = {
+        "state pass (segment states + scan)": lambda: state_pass.fwd_pass_state(x, b, dt_bht, g, init, chunk, config),
+        "state-pass loads only": lambda: launch(state_grid, state_traffic_kernel,
+                                                (x, b, dt_bht, g, state_sink, config.chunks_per_segment, chunk,
+                                                 hp, np_)),
+        "compute_out": lambda: output_stage.compute_out(x, b, c, d, dt_bht, g, entry, final, chunk, config),
+        "compute_out loads only": lambda: launch(out_grid, out_traffic_kernel,
+                                                 (x, b, c, dt_bht, g, out, out_sink, config.chunks_per_segment,
+                                                  chunk, ht, state_size, True, config.out_load_latency)),
+        "compute_out loads without B, C": lambda: launch(out_grid, out_traffic_kernel,
+                                                         (x, b, c, dt_bht, g, out, out_sink,
+                                                          config.chunks_per_segment, chunk, ht, state_size, False,
+                                                          config.out_load_latency)),
+    }
+    tokens_heads = x.shape[0] * x.shape[1] * heads
+    xy = tokens_heads * head_size * 2
+    per_block_bc = 2 * x.shape[0] * x.shape[1] * state_size * 2 * heads * (head_size // ht)
+    state_bytes = (tokens_heads * head_size * 2 * (state_size // np_)
+                   + x.shape[0] * x.shape[1] * state_size * 2 * heads * (head_size // hp))
+    requested = {"state-pass loads only": state_bytes, "compute_out loads only": 2 * xy + per_block_bc,
+                 "compute_out loads without B, C": 2 * xy}
+    requested["state pass (segment states + scan)"] = state_bytes
+    requested["compute_out"] = requested["compute_out loads only"]
+    medians = rounds(runs)
+    print(f"{shape}  config {config}", flush=True)
+    for name, ms in medians.items():
+        print(f"  {name:36s} {ms:.4f} ms  {requested[name] / 1e6:8.1f} MB requested  "
+              f"{gbs(requested[name], ms):7.0f} GB/s", flush=True)
+
+
+def read_ceilings():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tile_bytes = 64 * 128 * 2
+    for label, mbytes, stride in [("L2-resident 8 MB", 8, 37), ("DRAM 2 GB", 2048, 256)]:
+        src = torch.randn(mbytes * 2**20 // 256, 128, device="cuda").to(torch.bfloat16)
+        for per_sm in (2, 4, 8):
+            blocks, steps = sms * per_sm, 256
+            sink = torch.empty(blocks, 128, device="cuda")
+            if label.startswith("DRAM"):  # every block reads its own run of tiles once
+                stride = steps
+            fn = lambda: launch((blocks,), read_ceiling_kernel, (src, sink, steps, stride))  # noqa: E731
+            ms = rounds({"r": fn}, n=3)["r"]
+            print(f"  read ceiling, {label}, {per_sm} blocks/SM: {ms:.4f} ms "
+                  f"{gbs(blocks * steps * tile_bytes, ms):7.0f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(0), flush=True)
+    read_ceilings()
+    for shape in SHAPES:
+        stage_table(shape)
