@@ -19,10 +19,12 @@ Bytes are what the blocks request (L2 -> SM), so GB/s here is comparable with th
 """
 import importlib
 import statistics
+from dataclasses import replace
 
 import cuda.tile as ct
 import torch
 
+from tilegym_mamba2.cutile import run_stages
 from tilegym_mamba2.cutile.launch import launch
 from tilegym_mamba2.cutile.tuning import segment_count
 from timing import median_ms, tuned_inputs
@@ -113,48 +115,51 @@ def rounds(runs: dict, n=5) -> dict:
 
 
 def stage_table(shape):
-    args, config, dt_bht, g = tuned_inputs(shape)
+    """Each stage and its loads at several segment lengths (the loads' own best length is their
+    floor), then the whole op at the tuned config."""
+    args, tuned, dt_bht, g = tuned_inputs(shape)
     x, a, b, c, d, dt, init, chunk_size = args
-    batch, _, heads, head_size = x.shape
-    state_size, chunk = b.shape[3], config.chunk_size
-    segments = segment_count(dt_bht, chunk, config)
-    entry, final = state_pass.fwd_pass_state(x, b, dt_bht, g, init, chunk, config)
-    out = torch.empty_like(x)
-    ht = config.out_head_tile
-    out_grid = (batch * heads, segments, head_size // ht)
-    out_sink = torch.empty(batch * heads * segments * (head_size // ht), state_size, device=x.device)
-    hp, np_ = config.state_head_tile, config.state_tile
+    batch, tokens, heads, head_size = x.shape
+    state_size, chunk = b.shape[3], tuned.chunk_size
+    print(f"{shape}  tuned {tuned}", flush=True)
+    ht, hp, np_ = tuned.out_head_tile, tuned.state_head_tile, tuned.state_tile
     tiles = (head_size // hp) * (state_size // np_)
-    state_grid = (batch * heads, segments, tiles)
-    state_sink = torch.empty(batch * heads * segments * tiles, hp, device=x.device)
-    runs = {
-        "state pass (segment states + scan)": lambda: state_pass.fwd_pass_state(x, b, dt_bht, g, init, chunk, config),
-        "state-pass loads only": lambda: launch(state_grid, state_traffic_kernel,
-                                                (x, b, dt_bht, g, state_sink, config.chunks_per_segment, chunk,
-                                                 hp, np_)),
-        "compute_out": lambda: output_stage.compute_out(x, b, c, d, dt_bht, g, entry, final, chunk, config),
-        "compute_out loads only": lambda: launch(out_grid, out_traffic_kernel,
-                                                 (x, b, c, dt_bht, g, out, out_sink, config.chunks_per_segment,
-                                                  chunk, ht, state_size, True, config.out_load_latency)),
-        "compute_out loads without B, C": lambda: launch(out_grid, out_traffic_kernel,
-                                                         (x, b, c, dt_bht, g, out, out_sink,
-                                                          config.chunks_per_segment, chunk, ht, state_size, False,
-                                                          config.out_load_latency)),
-    }
-    tokens_heads = x.shape[0] * x.shape[1] * heads
-    xy = tokens_heads * head_size * 2
-    per_block_bc = 2 * x.shape[0] * x.shape[1] * state_size * 2 * heads * (head_size // ht)
-    state_bytes = (tokens_heads * head_size * 2 * (state_size // np_)
-                   + x.shape[0] * x.shape[1] * state_size * 2 * heads * (head_size // hp))
-    requested = {"state-pass loads only": state_bytes, "compute_out loads only": 2 * xy + per_block_bc,
-                 "compute_out loads without B, C": 2 * xy}
-    requested["state pass (segment states + scan)"] = state_bytes
-    requested["compute_out"] = requested["compute_out loads only"]
-    medians = rounds(runs)
-    print(f"{shape}  config {config}", flush=True)
-    for name, ms in medians.items():
-        print(f"  {name:36s} {ms:.4f} ms  {requested[name] / 1e6:8.1f} MB requested  "
-              f"{gbs(requested[name], ms):7.0f} GB/s", flush=True)
+    xy = batch * tokens * heads * head_size * 2
+    bc_once = batch * tokens * state_size * 2
+    requested = {"state pass": xy // 2 * (state_size // np_) + bc_once * heads * (head_size // hp),
+                 "compute_out": 2 * xy + 2 * bc_once * heads * (head_size // ht)}
+    requested["state loads"], requested["out loads"] = requested["state pass"], requested["compute_out"]
+    requested["out loads no B, C"] = 2 * xy
+    out = torch.empty_like(x)
+    lengths = sorted({4, 8, 16, 32, tuned.chunks_per_segment})
+    for per_segment in lengths:
+        config = replace(tuned, chunks_per_segment=per_segment)
+        segments = segment_count(dt_bht, chunk, config)
+        entry, final = state_pass.fwd_pass_state(x, b, dt_bht, g, init, chunk, config)
+        out_grid = (batch * heads, segments, head_size // ht)
+        out_sink = torch.empty(out_grid[0] * out_grid[1] * out_grid[2], state_size, device=x.device)
+        state_grid = (batch * heads, segments, tiles)
+        state_sink = torch.empty(state_grid[0] * state_grid[1] * state_grid[2], hp, device=x.device)
+
+        def out_loads(with_bc):
+            return lambda: launch(out_grid, out_traffic_kernel,
+                                  (x, b, c, dt_bht, g, out, out_sink, per_segment, chunk, ht, state_size, with_bc,
+                                   config.out_load_latency))
+        runs = {
+            "state pass": lambda: state_pass.fwd_pass_state(x, b, dt_bht, g, init, chunk, config),
+            "state loads": lambda: launch(state_grid, state_traffic_kernel,
+                                          (x, b, dt_bht, g, state_sink, per_segment, chunk, hp, np_)),
+            "compute_out": lambda: output_stage.compute_out(x, b, c, d, dt_bht, g, entry, final, chunk, config),
+            "out loads": out_loads(True),
+            "out loads no B, C": out_loads(False),
+        }
+        medians = rounds(runs)
+        print(f"  {per_segment:3d} chunks/segment, {segments} segments: " + "  ".join(
+            f"{name} {ms:.4f} ms ({gbs(requested[name], ms):.0f} GB/s)" for name, ms in medians.items()),
+            flush=True)
+    whole = rounds({"op": lambda: run_stages(*args, config=tuned)})["op"]
+    print(f"  whole op at the tuned config: {whole:.4f} ms; requested MB: "
+          + ", ".join(f"{name} {n / 1e6:.0f}" for name, n in requested.items() if "loads" not in name), flush=True)
 
 
 def read_ceilings():
