@@ -29,7 +29,7 @@ import torch
 from tilegym_mamba2.cutile import run_stages
 from tilegym_mamba2.cutile.launch import launch
 from tilegym_mamba2.cutile.tuning import segment_count
-from timing import tuned_inputs
+from timing import queued_ms, tuned_inputs
 
 output_stage = importlib.import_module("tilegym_mamba2.cutile.compute_out")
 state_pass = importlib.import_module("tilegym_mamba2.cutile.fwd_pass_state")
@@ -108,24 +108,6 @@ def gbs(nbytes, ms):
     return nbytes / ms / 1e6
 
 
-def queued_ms(fn, calls=20, batches=3):
-    """Per-call time of ``calls`` back-to-back calls, median of ``batches``: the GPU's queue stays
-    full, so the host's launch time (tens of us per call in Python) is not counted, as in a model
-    where these stages run one after another."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def rounds(runs: dict, n=5) -> dict:
     """Alternating rounds, so that clock drift lands on every run; the median over rounds."""
     times = {name: [] for name in runs}
@@ -147,7 +129,7 @@ def stage_table(shape):
     tiles = (head_size // hp) * (state_size // np_)
     xy = batch * tokens * heads * head_size * 2
     bc_once = batch * tokens * state_size * 2
-    requested = {"state pass": xy // 2 * (state_size // np_) + bc_once * heads * (head_size // hp),
+    requested = {"state pass": xy * (state_size // np_) + bc_once * heads * (head_size // hp),
                  "compute_out": 2 * xy + 2 * bc_once * heads * (head_size // ht)}
     requested["state loads"], requested["out loads"] = requested["state pass"], requested["compute_out"]
     requested["out loads no B, C"] = 2 * xy
