@@ -131,5 +131,5 @@ verify)
   grep -E "^\(|^  |read" "$out/load_floor.log" 2>/dev/null | cut -c1-150
   grep -E "^\(|^  " "$out/config_op.log" | cut -c1-120
   ;;
-*) echo "usage: $0 tests|bench|x4|ab|x2|profile" >&2; exit 2 ;;
+*) echo "usage: $0 tests|bench|x4|x2|explore|verify" >&2; exit 2 ;;
 esac
