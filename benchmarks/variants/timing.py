@@ -10,36 +10,33 @@ from tilegym_mamba2.validation import check_forward_args
 
 
 def median_ms(fn, reps=40):
-    """Median CUDA-event time of fn after 3 warm-up calls (no L2 flush: for A/B in one process)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median CUDA-event time of fn after 3 warm-up calls (no L2 flush: for A/B in one process).
+    The host's launch time is counted when the GPU waits for it."""
+    _warm_up(fn)
+    return statistics.median(_elapsed_ms(fn, 1) for _ in range(reps))
 
 
 def queued_ms(fn, calls=20, batches=3):
     """Per-call time of ``calls`` back-to-back calls, median of ``batches``: the GPU's queue stays
     full, so the host's launch time (tens of us per call in Python) is not counted, as in a model
     where these stages run one after another."""
+    _warm_up(fn)
+    return statistics.median(_elapsed_ms(fn, calls) for _ in range(batches))
+
+
+def _warm_up(fn):
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+
+
+def _elapsed_ms(fn, calls):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def tuned_inputs(shape):
