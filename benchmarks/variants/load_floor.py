@@ -1,7 +1,7 @@
 """Scratch (GPU): how close the two big stages are to the cost of their own loads.
 
-For each shape, at its tuned config, it times side by side (alternating rounds of CUDA-event
-medians, as config_op.py):
+For each shape, at several segment lengths, it times side by side (alternating rounds, as
+config_op.py; results in NOTES.md, experiment 28):
 
 * the real ``segment_states_kernel`` (+ scan) and ``compute_out``;
 * "traffic" kernels with the same grid, the same tile loads (shapes, order, padding, latency
