@@ -1,0 +1,192 @@
+"""The backward pass, written once over a scan (scan_reference.py or cutile/scan.py).
+
+Forward, per row and head: h_t = exp(l_t) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t, l_t = a dt_t.
+With dh_t the gradient reaching h_t (dh after the last token is dfinal_state):
+
+    dh_t = exp(l_{t+1}) dh_{t+1} + dy_t c_t^T          the same scan, backwards in time
+    dx_t = dt_t dh_t b_t            dc_t = h_t^T dy_t            db_t = dt_t dh_t^T x_t
+
+so four scans give everything that involves a state:
+    1. the forward again                                  -> y (for the decay gradient)
+    2. backwards: x <- dy, b <- c, c <- b, weight 1       -> dh_t b_t, dh at the first token
+    3. forwards, transposed state: x <- b, b <- x, c <- dy -> dc (per head)
+    4. backwards, transposed: x <- c, b <- dy, c <- x     -> dh_t^T x_t, so db (per head)
+"Backwards" is the scan on token-reversed inputs with log decay l'_s = l_{T-s} (the decay
+between a token and the one after it) and 0 where a sequence ends, so the gradient of a
+state enters undecayed and nothing crosses a sequence boundary.
+
+The decay gradient needs no state: treating the decay sums g_t = l_1 + ... + l_t as free,
+    dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t)   (+ dfinal . h_T at a sequence's last token)
+(every term of y_t carries exp(g_t); every term sent from token t carries exp(-g_t)), and
+dl_t is the sum of dg over t and the later tokens of its sequence. Then
+    ddt_t = x_t . (dh_t b_t) + a dl_t,    da = sum dt_t dl_t,    dinit = exp(l_first) dh_first.
+
+A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens) and returns
+(y, final_states, varlen_states or None); init is [batch, ...] or, with cu_seqlens,
+[num_sequences, ...].
+"""
+import torch
+
+from .layer_reference import process_dt
+
+
+def scan_backward(scan, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=None, cu_seqlens=None,
+                  dfinal_states=None, dvarlen_states=None, forward=None):
+    """Gradients of (y, final_states, varlen_states) = scan(x, B, C, dt, A * dt, initial_states, ...).
+
+    dt is the processed dt [batch, tokens, heads]; dy [batch, tokens, heads, head_size] in x's
+    dtype; dfinal_states [batch, heads, head_size, state_size], dvarlen_states
+    [num_sequences, ...] or None. ``forward``: that scan's result if the caller has it.
+    -> (dx, dB, dC, ddt, dA, dinitial_states or None) in the accumulation dtype (fp32, or fp64
+    for fp64 inputs); dx without the skip term."""
+    batch, tokens, heads, _ = x.shape
+    groups = B.shape[2]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    dt = dt.to(acc)
+    log_decay = A.to(acc) * dt
+    if forward is None:
+        forward = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens)
+    y, final_states, varlen_states = forward
+
+    seq_rev = None if seq_idx is None else (seq_idx[:, -1:] - seq_idx).flip(1)
+    cu_rev = None if cu_seqlens is None else tokens - cu_seqlens.flip(0)
+    next_decay = torch.zeros_like(log_decay)
+    next_decay[:, :-1] = log_decay[:, 1:]
+    if seq_idx is not None:
+        next_decay[:, :-1] *= (seq_idx[:, 1:] == seq_idx[:, :-1])[..., None]
+    rev_decay = next_decay.flip(1)
+    ones = torch.ones_like(dt)
+    rev_init = _reverse_init(dfinal_states, dvarlen_states, batch, x.shape[3], B.shape[3], x.device)
+    dy_rev, b_rev, c_rev = dy.flip(1), B.flip(1), C.flip(1)
+
+    # 2: dh_t b_t, and dh at each sequence's first token.
+    dxs, dh_first, dh_starts = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev)
+    dxs = dxs.flip(1).to(acc)
+    # 3 and 4 carry the transposed state: [state_size, head_size].
+    per_head_b, per_head_c = _per_head(B, heads), _per_head(C, heads)
+    init_t = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
+    dc_heads = scan(per_head_b, x, dy, dt, log_decay, init_t, seq_idx, cu_seqlens)[0]
+    rev_init_t = None if rev_init is None else rev_init.transpose(-1, -2).contiguous()
+    db_heads = scan(per_head_c.flip(1), dy_rev, x.flip(1), ones, rev_decay, rev_init_t, seq_rev, cu_rev)[0]
+
+    per_group = (batch, tokens, groups, heads // groups, -1)
+    dC = dc_heads.to(acc).view(per_group).sum(3)
+    dB = (db_heads.flip(1).to(acc) * dt[..., None]).view(per_group).sum(3)
+
+    xs = x.to(acc)
+    ddt_input = (xs * dxs).sum(-1)
+    dg = (dy.to(acc) * y.to(acc)).sum(-1) - dt * ddt_input
+    if dfinal_states is not None:
+        dg[:, -1] += (dfinal_states.to(acc) * final_states.to(acc)).sum((-1, -2))
+    if dvarlen_states is not None:
+        dg[0, cu_seqlens[1:].long() - 1] += (dvarlen_states.to(acc) * varlen_states.to(acc)).sum((-1, -2))
+    dl = _sequence_suffix_sums(dg, seq_idx)
+    ddt = ddt_input + A.to(acc) * dl
+    dA = (dt * dl).sum((0, 1))
+    dx = dt[..., None] * dxs
+
+    dinit = None
+    if initial_states is not None:
+        if cu_seqlens is not None and initial_states.shape[0] != batch:
+            # One state per sequence: the reversed scan's sequence ends are the first tokens.
+            starts = cu_seqlens[:-1].long()
+            dinit = torch.exp(log_decay[0, starts])[..., None, None] * dh_starts.flip(0).to(acc)
+        else:
+            dinit = torch.exp(log_decay[:, 0])[..., None, None] * dh_first.to(acc)
+            if seq_idx is not None:  # a row's initial state belongs to its sequence 0
+                dinit = dinit * (seq_idx[:, 0] == 0)[:, None, None, None]
+    return dx, dB, dC, ddt, dA, dinit
+
+
+def _reverse_init(dfinal_states, dvarlen_states, batch, head_size, state_size, device):
+    """The reversed scan starts each sequence from the gradient of its end state."""
+    if dvarlen_states is None:
+        return dfinal_states
+    starts = dvarlen_states.flip(0).to(torch.promote_types(dvarlen_states.dtype, torch.float32)).clone()
+    if dfinal_states is not None:  # the row's final state is its last sequence's end state
+        starts[0] += dfinal_states[0]
+    return starts
+
+
+def _per_head(bc, heads):
+    groups = bc.shape[2]
+    return bc if groups == heads else bc.repeat_interleave(heads // groups, dim=2)
+
+
+def _sequence_suffix_sums(values, seq_idx):
+    """[batch, tokens, heads] -> at each token, the sum over it and its sequence's later tokens
+    (in fp64: a long sequence's sums are differences of large suffix sums)."""
+    dtype = values.dtype
+    suffix = values.to(torch.float64).flip(1).cumsum(1).flip(1)
+    if seq_idx is None:
+        return suffix.to(dtype)
+    # Subtract the suffix sum that starts after the token's sequence ends.
+    tokens = values.shape[1]
+    after = torch.zeros_like(suffix)
+    after[:, :-1] = suffix[:, 1:]
+    last = torch.ones_like(seq_idx, dtype=torch.bool)
+    last[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    # Each token's sequence end: the first last-token at or after it.
+    position = torch.arange(tokens, device=values.device).expand_as(seq_idx)
+    end = torch.where(last, position, tokens).flip(1).cummin(1).values.flip(1)
+    return (suffix - after.gather(1, end[..., None].expand_as(after))).to(dtype)
+
+
+def layer_backward(scan, saved, dout, dfinal_states=None, dvarlen_states=None):
+    """Gradients of mamba_chunk_scan_combined. ``saved``: its checked arguments
+    (validation.ScanCombinedArgs). -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states),
+    each in its input's dtype, None for an input that is None."""
+    x, dt_raw, A, B, C, _, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = saved[:12]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    if cu_seqlens is not None and seq_idx is None:
+        from .validation import seq_idx_from_cu_seqlens
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
+    # dt's processing is elementwise and cheap: its gradient comes from autograd.
+    with torch.enable_grad():
+        leaves = [t.detach().to(acc).requires_grad_() for t in (dt_raw, dt_bias) if t is not None]
+        dt = process_dt(leaves[0], leaves[1] if dt_bias is not None else None, saved.dt_softplus, saved.dt_limit,
+                        dtype=acc)
+    forward = scan(x, B, C, dt.detach(), A.to(acc) * dt.detach(), initial_states, seq_idx, cu_seqlens)
+    y = forward[0].to(acc)
+
+    dout = dout.to(acc)
+    xs = x.to(acc)
+    skip = None if D is None else (D.to(acc)[:, None] if D.ndim == 1 else D.to(acc))
+    dz = None
+    if z is not None:
+        gate = torch.sigmoid(z.to(acc))
+        pre_gate = y if skip is None else y + skip * xs
+        silu = z.to(acc) * gate
+        dz = (dout * pre_gate * gate * (1 + z.to(acc) * (1 - gate))).to(z.dtype)
+        dout = dout * silu
+    dD = None
+    if D is not None:
+        dD = (dout * xs).sum((0, 1))
+        dD = (dD.sum(-1) if D.ndim == 1 else dD).to(D.dtype)
+
+    dx, dB, dC, ddt, dA, dinit = scan_backward(
+        scan, x, A, B, C, dt.detach(), dout.to(x.dtype), initial_states=initial_states, seq_idx=seq_idx,
+        cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, forward=forward)
+    if skip is not None:
+        dx = dx + skip * dout
+    grads = torch.autograd.grad(dt, leaves, ddt)
+    ddt_raw = grads[0].to(dt_raw.dtype)
+    ddt_bias = None if dt_bias is None else grads[1].to(dt_bias.dtype)
+    return (dx.to(x.dtype), ddt_raw, dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
+            None if dinit is None else dinit.to(initial_states.dtype))
+
+
+def chunk_backward(scan, x, a, b, c, d, dt, init_state, dout, dfinal_state):
+    """Gradients of mamba2_chunk_forward (checked arguments) -> (dx, da, db, dc, dd, ddt, dinit_state):
+    dx, db, dc in x's dtype, ddt in dt's, da, dd and dinit_state in fp32 (fp64 for fp64 inputs);
+    dinit_state is zeros when init_state is None."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    dx, db, dc, ddt, da, dinit = scan_backward(scan, x, a, b, c, dt, dout, initial_states=init_state,
+                                               dfinal_states=dfinal_state)
+    dout = dout.to(acc)
+    dx = dx + d.to(acc)[:, None] * dout
+    dd = (dout * x.to(acc)).sum((0, 1, 3))
+    if dinit is None:
+        batch, _, heads, head_size = x.shape
+        dinit = torch.zeros(batch, heads, head_size, b.shape[3], dtype=acc, device=x.device)
+    return dx.to(x.dtype), da, db.to(b.dtype), dc.to(c.dtype), dd, ddt.to(dt.dtype), dinit
