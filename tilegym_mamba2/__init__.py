@@ -31,6 +31,24 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
     return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
 
 
+def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
+                          state_dtype=None, *, backend="cutile"):
+    """Gradients of ``mamba2_chunk_forward`` (tilegym's call and return contract).
+
+    Args: the forward's arguments, plus dout [batch, tokens, heads, head_size] (the gradient
+    of out) and dfinal_state [batch, heads, head_size, state_size] (of final_state; None: zero).
+    state_dtype is accepted for tilegym's call; states stay fp32.
+
+    Returns (dx, da, db, dc, dd, ddt, dinit_state): dx like x; da, dd [heads] fp32; db, dc
+    [batch, tokens, groups, state_size] (summed over each group's heads) in x's dtype; ddt like
+    dt; dinit_state [batch, heads, head_size, state_size] fp32 (zeros when init_state is None).
+    For training, calling mamba2_chunk_forward on tensors that require grad is simpler: it is
+    differentiable and runs this on backward.
+    """
+    return implementation("mamba2_chunk_backward", backend)(x, a, b, c, d, dt, init_state, dout, dfinal_state,
+                                                            chunk_size)
+
+
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                               return_final_states=False, return_varlen_states=False, *, backend=None):
@@ -67,4 +85,4 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 install()
 
-__all__ = ["Mamba2ProblemSpec", "mamba2_chunk_forward", "mamba_chunk_scan_combined", "__version__"]
+__all__ = ["Mamba2ProblemSpec", "mamba2_chunk_backward", "mamba2_chunk_forward", "mamba_chunk_scan_combined", "__version__"]

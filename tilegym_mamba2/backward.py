@@ -25,9 +25,45 @@ A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens) 
 (y, final_states, varlen_states or None); init is [batch, ...] or, with cu_seqlens,
 [num_sequences, ...].
 """
+import contextlib
+import functools
+
 import torch
 
-from .layer_reference import process_dt
+from .layer_reference import process_dt, process_dt_slope
+from .scan_reference import scan_reference
+from .validation import check_backward_args, check_scan_combined_args, seq_idx_from_cu_seqlens
+
+
+def mamba2_chunk_backward_pytorch(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
+                                  state_dtype=torch.float32):
+    """The "pytorch" backend of mamba2_chunk_backward: backward.py over the PyTorch scan, in fp32
+    (fp64 for fp64 inputs). ``state_dtype`` is accepted for tilegym's call; states stay fp32."""
+    args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="pytorch")
+    return chunk_backward(scan_for("pytorch", x.dtype), *args[:-1])
+
+
+def scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None, z=None,
+                           dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                           dt_limit=(0.0, float("inf")), *, backend):
+    """Gradients of mamba_chunk_scan_combined for the autograd op (autograd.py): (dx, ddt, dA, dB,
+    dC, dD, dz, ddt_bias, dinitial_states), None where the input is None."""
+    saved = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                     dt_softplus, dt_limit, True, dvarlen_states is not None, backend=backend)
+    if backend == "cutile":
+        from .cutile import compile_errors_explained
+    else:
+        compile_errors_explained = contextlib.nullcontext
+    with compile_errors_explained():
+        return layer_backward(scan_for(backend, x.dtype), saved, dout, dfinal_states, dvarlen_states)
+
+
+def scan_for(backend, dtype):
+    """The scan backward.py runs on: our kernels, or the PyTorch one in fp32 (fp64 for fp64)."""
+    if backend == "cutile":
+        from .cutile.scan import scan
+        return scan
+    return functools.partial(scan_reference, dtype=torch.promote_types(dtype, torch.float32))
 
 
 def scan_backward(scan, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -139,14 +175,9 @@ def layer_backward(scan, saved, dout, dfinal_states=None, dvarlen_states=None):
     x, dt_raw, A, B, C, _, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = saved[:12]
     acc = torch.promote_types(x.dtype, torch.float32)
     if cu_seqlens is not None and seq_idx is None:
-        from .validation import seq_idx_from_cu_seqlens
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
-    # dt's processing is elementwise and cheap: its gradient comes from autograd.
-    with torch.enable_grad():
-        leaves = [t.detach().to(acc).requires_grad_() for t in (dt_raw, dt_bias) if t is not None]
-        dt = process_dt(leaves[0], leaves[1] if dt_bias is not None else None, saved.dt_softplus, saved.dt_limit,
-                        dtype=acc)
-    forward = scan(x, B, C, dt.detach(), A.to(acc) * dt.detach(), initial_states, seq_idx, cu_seqlens)
+    dt = process_dt(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
+    forward = scan(x, B, C, dt, A.to(acc) * dt, initial_states, seq_idx, cu_seqlens)
     y = forward[0].to(acc)
 
     dout = dout.to(acc)
@@ -165,14 +196,13 @@ def layer_backward(scan, saved, dout, dfinal_states=None, dvarlen_states=None):
         dD = (dD.sum(-1) if D.ndim == 1 else dD).to(D.dtype)
 
     dx, dB, dC, ddt, dA, dinit = scan_backward(
-        scan, x, A, B, C, dt.detach(), dout.to(x.dtype), initial_states=initial_states, seq_idx=seq_idx,
+        scan, x, A, B, C, dt, dout.to(x.dtype), initial_states=initial_states, seq_idx=seq_idx,
         cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, forward=forward)
     if skip is not None:
         dx = dx + skip * dout
-    grads = torch.autograd.grad(dt, leaves, ddt)
-    ddt_raw = grads[0].to(dt_raw.dtype)
-    ddt_bias = None if dt_bias is None else grads[1].to(dt_bias.dtype)
-    return (dx.to(x.dtype), ddt_raw, dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
+    ddt_raw = ddt * process_dt_slope(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
+    ddt_bias = None if dt_bias is None else ddt_raw.sum((0, 1)).to(dt_bias.dtype)
+    return (dx.to(x.dtype), ddt_raw.to(dt_raw.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
             None if dinit is None else dinit.to(initial_states.dtype))
 
 

@@ -37,6 +37,19 @@ def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))
     return dt.clamp(min=dt_limit[0], max=dt_limit[1])
 
 
+def process_dt_slope(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), dtype=torch.float32):
+    """d process_dt / d dt, elementwise (also d / d dt_bias): softplus's sigmoid below its
+    threshold, 1 above it, 0 where the clamp holds dt at a limit (torch.clamp's rule)."""
+    pre = dt.to(dtype)
+    if dt_bias is not None:
+        pre = pre + dt_bias.to(dtype)
+    slope = torch.ones_like(pre)
+    if dt_softplus:
+        slope = torch.where(pre > 20.0, slope, torch.sigmoid(pre))
+        pre = F.softplus(pre, threshold=20.0)
+    return slope * ((pre >= dt_limit[0]) & (pre <= dt_limit[1]))
+
+
 def sequence_runs(seq_idx, batch, tokens):
     """-> per batch row, a list of (start, end, sequence id) token ranges (host lists)."""
     if seq_idx is None:
@@ -108,6 +121,11 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
                                       dt_limit=(0.0, float("inf")), return_final_states=False,
                                       return_varlen_states=False):
     """The "pytorch" backend: the chunked reference in fp32, one sequence at a time."""
+    from .autograd import differentiable_scan_combined, wanted
+    if wanted(x, dt, A, B, C, D, z, dt_bias, initial_states):
+        return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                            cu_seqlens, dt_softplus, dt_limit, return_final_states,
+                                            return_varlen_states, "pytorch")
     args = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                     cu_seqlens, dt_softplus, dt_limit, return_final_states,
                                     return_varlen_states, backend="pytorch")

@@ -246,6 +246,9 @@ def mamba2_chunk_forward_pytorch(
     Returns ``out`` [B, T, H, P] in ``x.dtype`` and ``final_state`` [B, H, P, N]
     in float32, matching what the cuTile backend produces.
     """
+    from .autograd import differentiable_chunk_forward, wanted
+    if wanted(x, a, b, c, d, dt, init_state):
+        return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, "pytorch")
     x, a, b, c, d, dt, init_state, chunk_size = check_forward_args(
         x, a, b, c, d, dt, init_state, chunk_size, backend="pytorch")
     out, final_state = chunked_forward_reference(

@@ -266,3 +266,22 @@ def seq_idx_from_cu_seqlens(cu_seqlens, tokens):
     # host, and defined (if meaningless) for invalid offsets, which the checks report.
     tokens_range = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens_range, right=True).to(torch.int32)[None]
+
+
+def check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, *, backend: str):
+    """mamba2_chunk_backward's arguments: the forward's, plus dout (x's shape, cast to x's dtype)
+    and dfinal_state ([batch, heads, head_size, state_size] or None, cast to fp32)."""
+    args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
+    batch, _, heads, head_size = x.shape
+    state = (batch, heads, head_size, b.shape[3])
+    _expect_tensor("dout", dout)
+    _expect_shape("dout", dout, tuple(x.shape), "[batch, tokens, heads, head_size], the shape of x")
+    _expect_float("dout", dout)
+    if dfinal_state is not None:
+        _expect_tensor("dfinal_state", dfinal_state)
+        _expect_shape("dfinal_state", dfinal_state, state, "[batch, heads, head_size, state_size]")
+        _expect_float("dfinal_state", dfinal_state)
+    _check_device({"x": x, "dout": dout, "dfinal_state": dfinal_state}, backend, head_size, b.shape[3])
+    state_dtype = torch.promote_types(x.dtype, torch.float32)
+    return (*args[:-1], dout.to(x.dtype).contiguous(),
+            None if dfinal_state is None else dfinal_state.to(state_dtype).contiguous(), chunk_size)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..autograd import differentiable_chunk_forward, wanted
 from ..toolchain import explain_compile_failure
 from ..validation import check_forward_args
 from .chunk_cumsum import chunk_cumsum
@@ -34,6 +35,8 @@ class Stages:
 
 def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
     """Mamba-2 chunked forward on our cuTile kernels; see ``tilegym_mamba2.mamba2_chunk_forward``."""
+    if wanted(x, a, b, c, d, dt, init_state):
+        return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, "cutile")
     args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend="cutile")
     with compile_errors_explained():
         stages = run_stages(*args)

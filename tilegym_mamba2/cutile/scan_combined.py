@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import torch
 
+from ..autograd import differentiable_scan_combined, wanted
 from ..layer_reference import _returns
 from ..validation import check_scan_combined_args, seq_idx_from_cu_seqlens
 from . import compile_errors_explained, config_for, states_and_out
@@ -24,6 +25,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
                               return_final_states=False, return_varlen_states=False):
     """See ``tilegym_mamba2.mamba_chunk_scan_combined``."""
+    if wanted(x, dt, A, B, C, D, z, dt_bias, initial_states):
+        return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                            cu_seqlens, dt_softplus, dt_limit, return_final_states,
+                                            return_varlen_states, "cutile")
     args = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                     cu_seqlens, dt_softplus, dt_limit, return_final_states,
                                     return_varlen_states, backend="cutile")
@@ -47,6 +52,20 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         if seq_idx is None:
             seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
+    # The clamp is applied even at (0, inf), as the definition (layer_reference.process_dt) says.
+    dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=dt_bias, softplus=dt_softplus, dt_limit=dt_limit)
+    out, final_states, varlen = scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens,
+                                            config, with_varlen_states=with_varlen_states)
+    if varlen is not None and with_varlen_states:
+        varlen = varlen.to(C.dtype)  # mamba_ssm's dtype for them
+    return out, final_states, varlen
+
+
+def scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens, config, *,
+                with_varlen_states=False):
+    """Stages 2 and 3 with every packing option -> (out, final_states, varlen_states fp32 or None).
+    The backward's scans (cutile/scan.py) run them too, with their own weights and decays."""
+    batch = x.shape[0]
     per_sequence_init = (initial_states is not None and cu_seqlens is not None
                          and initial_states.shape[0] != batch)
     if with_varlen_states or per_sequence_init:
@@ -54,10 +73,8 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         # tuned ones pay here (64 packed sequences, 65536 tokens: 1.41 ms at 32 chunks, 1.30 at 16;
         # benchmarks/NOTES.md, experiment 13).
         config = replace(config, chunks_per_segment=min(config.chunks_per_segment, VARLEN_MAX_SEGMENT_CHUNKS))
+    chunk = config.chunk_size
     row_init = None if per_sequence_init else initial_states
-
-    # The clamp is applied even at (0, inf), as the definition (layer_reference.process_dt) says.
-    dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=dt_bias, softplus=dt_softplus, dt_limit=dt_limit)
     entry_states, final_states, out = states_and_out(x, B, C, D, dt_bht, decay_cumsum, row_init, config, z=z,
                                                      seq_idx=seq)
     varlen = None
@@ -70,6 +87,4 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     elif varlen is not None:
         # The last sequence's state is the row's final state; both returned, they agree to the bit.
         varlen[-1] = final_states[0]
-    if varlen is not None and with_varlen_states:
-        varlen = varlen.to(C.dtype)  # mamba_ssm's dtype for them
     return out, final_states, varlen

@@ -1,0 +1,165 @@
+"""Autograd and torch.compile for both ops: torch.library custom ops with fake implementations.
+
+Each backend's entry point sends a call here when a gradient may be wanted (an input that
+requires grad, grad mode on) or while torch.compile traces; otherwise it runs directly, so
+inference keeps its host path. The custom op's implementation calls the same entry point
+again (autograd is off inside it), which checks the arguments, so errors are raised at run
+time under torch.compile too. Gradients come from backward.py on the same backend.
+
+varlen_states are differentiable too (mamba_ssm refuses a backward with them).
+"""
+import torch
+from torch import Tensor
+
+from .layer_reference import _returns
+from .registry import implementation
+from .validation import check_forward_args, check_scan_combined_args
+
+_NONE = ()  # custom ops return tensors only: an empty tensor stands for "no gradient"
+
+
+def wanted(*tensors) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --- mamba2_chunk_forward ------------------------------------------------------------------
+
+@torch.library.custom_op("tilegym_mamba2::chunk_forward", mutates_args=())
+def chunk_forward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, dt: Tensor, init_state: Tensor | None,
+                  chunk_size: int, backend: str) -> tuple[Tensor, Tensor]:
+    out, final_state = implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
+    return out, final_state
+
+
+@chunk_forward.register_fake
+def _(x, a, b, c, d, dt, init_state, chunk_size, backend):
+    batch, _, heads, head_size = x.shape
+    return torch.empty_like(x), x.new_empty(batch, heads, head_size, b.shape[3], dtype=_state_dtype(x))
+
+
+@torch.library.custom_op("tilegym_mamba2::chunk_backward", mutates_args=())
+def chunk_backward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, dt: Tensor, init_state: Tensor | None,
+                   dout: Tensor, dfinal_state: Tensor, chunk_size: int, backend: str) -> list[Tensor]:
+    grads = implementation("mamba2_chunk_backward", backend)(x, a, b, c, d, dt, init_state, dout, dfinal_state,
+                                                             chunk_size)
+    return [g.clone() if _aliases(g, (x, a, b, c, d, dt, init_state, dout, dfinal_state)) else g for g in grads]
+
+
+@chunk_backward.register_fake
+def _(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend):
+    heads, state = x.shape[2], _state_dtype(x)
+    return [torch.empty_like(x), a.new_empty(heads, dtype=state), torch.empty_like(b), torch.empty_like(c),
+            d.new_empty(heads, dtype=state), torch.empty_like(dt),
+            x.new_empty(x.shape[0], heads, x.shape[3], b.shape[3], dtype=state)]
+
+
+def _chunk_setup(ctx, inputs, output):
+    *tensors, ctx.chunk_size, ctx.backend = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _chunk_grads(ctx, dout, dfinal_state):
+    x, a, b, c, d, dt, init_state = ctx.saved_tensors
+    dx, da, db, dc, dd, ddt, dinit = chunk_backward(x, a, b, c, d, dt, init_state, dout.contiguous(),
+                                                    dfinal_state.contiguous(), ctx.chunk_size, ctx.backend)
+    return (dx, da.to(a.dtype), db, dc, dd.to(d.dtype), ddt, None if init_state is None else dinit.to(init_state.dtype),
+            None, None)
+
+
+chunk_forward.register_autograd(_chunk_grads, setup_context=_chunk_setup)
+
+
+# --- mamba_chunk_scan_combined -------------------------------------------------------------
+
+@torch.library.custom_op("tilegym_mamba2::scan_combined", mutates_args=())
+def scan_combined(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor | None,
+                  z: Tensor | None, dt_bias: Tensor | None, initial_states: Tensor | None, seq_idx: Tensor | None,
+                  cu_seqlens: Tensor | None, dt_softplus: bool, dt_low: float, dt_high: float,
+                  return_varlen_states: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    result = implementation("mamba2_chunk_scan_combined", backend)(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+        (dt_low, dt_high), True, return_varlen_states)
+    varlen = result[2] if return_varlen_states else x.new_empty(_NONE)
+    return result[0], result[1], varlen
+
+
+@scan_combined.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low,
+      dt_high, return_varlen_states, backend):
+    batch, _, heads, head_size = x.shape
+    state = (heads, head_size, B.shape[3])
+    final_states = x.new_empty(batch, *state, dtype=_state_dtype(x))
+    varlen = (C.new_empty(cu_seqlens.shape[0] - 1, *state) if return_varlen_states else x.new_empty(_NONE))
+    return torch.empty_like(x), final_states, varlen
+
+
+@torch.library.custom_op("tilegym_mamba2::scan_combined_backward", mutates_args=())
+def scan_combined_backward(dout: Tensor, dfinal_states: Tensor, dvarlen_states: Tensor | None, x: Tensor,
+                           dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor | None,
+                           z: Tensor | None, dt_bias: Tensor | None, initial_states: Tensor | None,
+                           seq_idx: Tensor | None, cu_seqlens: Tensor | None, dt_softplus: bool, dt_low: float,
+                           dt_high: float, backend: str) -> list[Tensor]:
+    from .backward import scan_combined_backward as run
+    grads = run(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+                seq_idx, cu_seqlens, dt_softplus, (dt_low, dt_high), backend=backend)
+    inputs = (dout, dfinal_states, dvarlen_states, x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return [x.new_empty(_NONE) if g is None else g.clone() if _aliases(g, inputs) else g for g in grads]
+
+
+@scan_combined_backward.register_fake
+def _(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+      cu_seqlens, dt_softplus, dt_low, dt_high, backend):
+    return [x.new_empty(_NONE) if t is None else torch.empty_like(t)
+            for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)]
+
+
+def _layer_setup(ctx, inputs, output):
+    (x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ctx.dt_softplus,
+     ctx.dt_low, ctx.dt_high, ctx.return_varlen_states, ctx.backend) = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
+
+
+def _layer_grads(ctx, dout, dfinal_states, dvarlen_states):
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+    grads = scan_combined_backward(
+        dout.contiguous(), dfinal_states.contiguous(),
+        dvarlen_states.contiguous() if ctx.return_varlen_states else None, x, dt, A, B, C, ctx.chunk_size, D, z,
+        dt_bias, initial_states, seq_idx, cu_seqlens, ctx.dt_softplus, ctx.dt_low, ctx.dt_high, ctx.backend)
+    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = [None if t is None else g.to(t.dtype)
+                                                    for g, t in zip(grads, (x, dt, A, B, C, D, z, dt_bias,
+                                                                            initial_states))]
+    # After chunk_size: D, z, dt_bias, initial_states, then no gradient for the rest.
+    return (dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dinit) + (None,) * 7
+
+
+scan_combined.register_autograd(_layer_grads, setup_context=_layer_setup)
+
+
+def _state_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _aliases(t, inputs) -> bool:
+    # A custom op's outputs may not alias its inputs (a gradient that is an input, e.g. dout).
+    return any(i is not None and t.data_ptr() == i.data_ptr() and t.numel() and i.numel() for i in inputs)
+
+
+# --- what the backends' entry points call --------------------------------------------------
+
+def differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend):
+    if not torch.compiler.is_compiling():  # errors name the argument before the op's schema sees it
+        check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
+    return chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
+
+
+def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                 dt_softplus, dt_limit, return_final_states, return_varlen_states, backend):
+    if not torch.compiler.is_compiling():
+        check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                 dt_softplus, dt_limit, return_final_states, return_varlen_states, backend=backend)
+    out, final_states, varlen = scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                              cu_seqlens, dt_softplus, float(dt_limit[0]), float(dt_limit[1]),
+                                              return_varlen_states, backend)
+    return _returns(out, final_states, varlen, return_final_states, return_varlen_states)
