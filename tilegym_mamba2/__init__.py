@@ -4,6 +4,9 @@ Importing this package registers the ops of ``ops_registry.yaml`` with tilegym (
 installed), so ``tilegym.ops.mamba2_chunk_forward`` runs our kernels under the "cutile"
 backend. The same op is callable directly as ``tilegym_mamba2.mamba2_chunk_forward``.
 """
+import torch
+
+from .autograd import differentiable_chunk_forward, differentiable_scan_combined
 from .registry import implementation, install, preferred_backend
 from .testing import Mamba2ProblemSpec
 
@@ -28,6 +31,8 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
         out [batch, tokens, heads, head_size] in x's dtype,
         final_state [batch, heads, head_size, state_size] fp32.
     """
+    if torch.compiler.is_compiling():  # straight to the custom op: the registry is not traceable
+        return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
     return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
 
 
@@ -76,6 +81,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         [num_sequences, heads, head_size, state_size] fp32 if asked.
     """
     op = "mamba2_chunk_scan_combined"
+    if torch.compiler.is_compiling():
+        return differentiable_scan_combined(
+            x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+            return_final_states, return_varlen_states, backend or ("cutile" if x.is_cuda else "pytorch"))
     if backend is None:
         backend = preferred_backend(op) if getattr(x, "is_cuda", False) else "pytorch"
     return implementation(op, backend)(

@@ -1,0 +1,254 @@
+"""The backward on the CPU: the four-scan decomposition (backward.py) against float64 autograd
+of the token recurrence, the "pytorch" backend of mamba2_chunk_backward, autograd and
+torch.compile through both ops, argument checks, and ahead-of-time compilation of the
+backward's kernels."""
+import functools
+
+import pytest
+import torch
+
+import tilegym_mamba2
+from tilegym_mamba2.backward import layer_backward
+from tilegym_mamba2.layer_reference import layer_token_recurrence
+from tilegym_mamba2.reference import token_recurrence
+from tilegym_mamba2.scan_reference import scan_reference
+from tilegym_mamba2.validation import ScanCombinedArgs
+
+F64 = torch.float64
+INF = float("inf")
+
+
+def rel(got, ref):
+    assert not torch.isnan(got).any()
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def layer_inputs(seed, batch, tokens, groups=2, heads=4, state=8, head=6, d_per_channel=False, z=True,
+                 bias=True, init=None, sequences=None):
+    g = torch.Generator().manual_seed(seed)
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+    t = dict(x=randn(batch, tokens, heads, head), dt=0.5 * randn(batch, tokens, heads),
+             A=-0.5 - 2 * torch.rand(heads, generator=g, dtype=F64),
+             B=randn(batch, tokens, groups, state), C=randn(batch, tokens, groups, state),
+             D=randn(heads, head) if d_per_channel else randn(heads))
+    if z:
+        t["z"] = randn(batch, tokens, heads, head)
+    if bias:
+        t["dt_bias"] = randn(heads)
+    if init == "row":
+        t["initial_states"] = randn(batch, heads, head, state)
+    elif init == "sequence":
+        t["initial_states"] = randn(sequences, heads, head, state)
+    return t
+
+
+def cu(*ends):
+    return torch.tensor((0,) + ends)
+
+
+DECOMPOSITION_CASES = {
+    "one_sequence": dict(batch=2, tokens=37, init="row"),
+    "channel_d_clamp": dict(batch=2, tokens=37, init="row", d_per_channel=True, dt_limit=(0.1, 1.5)),
+    "no_softplus_no_z": dict(batch=2, tokens=29, z=False, softplus=False),
+    "seq_idx": dict(batch=1, tokens=45, init="row", seq_idx=[[0] * 10 + [1] * 20 + [2] * 15]),
+    "seq_idx_rows": dict(batch=2, tokens=30, init="row", seq_idx=[[0] * 10 + [1] * 20, [1] * 5 + [2] * 25]),
+    "per_sequence_init_varlen": dict(batch=1, tokens=45, init="sequence", cu_seqlens=cu(10, 11, 30, 45), varlen=True),
+    "row_init_varlen": dict(batch=1, tokens=45, init="row", cu_seqlens=cu(10, 11, 30, 45), varlen=True),
+    "cu_seqlens_no_init": dict(batch=1, tokens=45, z=False, cu_seqlens=cu(1, 20, 45)),
+}
+
+
+@pytest.mark.parametrize("name", list(DECOMPOSITION_CASES))
+def test_decomposition_matches_float64_autograd(name):
+    """backward.py over the PyTorch scan in float64 is exact: it agrees with autograd through the
+    token recurrence to rounding, for every layer option (a wrong term would be off by O(1))."""
+    case = dict(DECOMPOSITION_CASES[name])
+    softplus, limit = case.pop("softplus", True), case.pop("dt_limit", (0.0, INF))
+    seq_idx = None if "seq_idx" not in case else torch.tensor(case.pop("seq_idx"))
+    cu_seqlens, varlen = case.pop("cu_seqlens", None), case.pop("varlen", False)
+    t = layer_inputs(1234, sequences=None if cu_seqlens is None else cu_seqlens.numel() - 1, **case)
+    if not softplus:
+        t["dt"] = t["dt"].abs() + 0.1
+    names = list(t)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    out, final, states = layer_token_recurrence(
+        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves["D"], leaves.get("z"),
+        leaves.get("dt_bias"), leaves.get("initial_states"), seq_idx, cu_seqlens, softplus, limit)
+    g = torch.Generator().manual_seed(5)
+    dout, dfinal = torch.randn(out.shape, generator=g, dtype=F64), torch.randn(final.shape, generator=g, dtype=F64)
+    dstates = torch.randn(states.shape, generator=g, dtype=F64) if varlen else None
+    loss = (out * dout).sum() + (final * dfinal).sum() + ((states * dstates).sum() if varlen else 0)
+    refs = torch.autograd.grad(loss, [leaves[k] for k in names])
+
+    saved = ScanCombinedArgs(t["x"], t["dt"], t["A"], t["B"], t["C"], 8, t["D"], t.get("z"), t.get("dt_bias"),
+                             t.get("initial_states"), seq_idx, cu_seqlens, softplus, limit, True, varlen)
+    scan = functools.partial(scan_reference, dtype=F64, chunk_size=8)
+    grads = dict(zip(["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"],
+                     layer_backward(scan, saved, dout, dfinal, dstates)))
+    for k, ref in zip(names, refs):
+        assert rel(grads[k], ref) < 1e-11, (k, rel(grads[k], ref))
+
+
+def plain_inputs(seed=0, batch=2, tokens=50, groups=2, heads=4, state=16, head=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tokens, heads, head, generator=g)
+    b, c = torch.randn(batch, tokens, groups, state, generator=g), torch.randn(batch, tokens, groups, state, generator=g)
+    a, d = -torch.rand(heads, generator=g) - 0.5, torch.randn(heads, generator=g)
+    dt = torch.rand(batch, tokens, heads, generator=g) + 0.1
+    init = torch.randn(batch, heads, head, state, generator=g)
+    return [t.to(dtype) if t.dim() > 1 and t is not init and t is not dt else t for t in (x, a, b, c, d, dt, init)]
+
+
+def test_chunk_backward_pytorch_backend_matches_float64():
+    x, a, b, c, d, dt, init = plain_inputs()
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(x.shape, generator=g)
+    dfinal = torch.randn(init.shape, generator=g)
+    grads = tilegym_mamba2.mamba2_chunk_backward(x, a, b, c, d, dt, init, dout, dfinal, 16, backend="pytorch")
+    leaves = [t.double().requires_grad_() for t in (x, a, b, c, d, dt, init)]
+    out, final = token_recurrence(*leaves)
+    refs = torch.autograd.grad((out * dout.double()).sum() + (final * dfinal.double()).sum(), leaves)
+    for name, got, ref in zip(["dx", "da", "db", "dc", "dd", "ddt", "dinit_state"], grads, refs):
+        assert got.shape == ref.shape, name
+        assert rel(got, ref) < 1e-4, (name, rel(got, ref))
+    assert [g.dtype for g in grads] == [torch.float32] * 7
+
+
+def test_chunk_backward_without_init_or_final_gradient():
+    x, a, b, c, d, dt, _ = plain_inputs(tokens=33)
+    dout = torch.randn(x.shape)
+    grads = tilegym_mamba2.mamba2_chunk_backward(x, a, b, c, d, dt, None, dout, None, 16, backend="pytorch")
+    assert torch.equal(grads[6], torch.zeros(2, 4, 8, 16))
+    leaves = [t.double().requires_grad_() for t in (x, a, b, c, d, dt)]
+    refs = torch.autograd.grad((token_recurrence(*leaves)[0] * dout.double()).sum(), leaves)
+    for got, ref in zip(grads, refs):
+        assert rel(got, ref) < 1e-4
+
+
+def test_forward_is_differentiable_through_tilegym_ops():
+    """tilegym.ops.mamba2_chunk_forward (our pytorch backend) gives the explicit backward's gradients."""
+    import tilegym
+    x, a, b, c, d, dt, init = plain_inputs(tokens=40)
+    leaves = [t.clone().requires_grad_() for t in (x, a, b, c, d, dt, init)]
+    out, final = tilegym.ops.mamba2_chunk_forward(*leaves, chunk_size=16, backend="pytorch")
+    dout, dfinal = torch.randn(out.shape), torch.randn(final.shape)
+    torch.autograd.backward([out, final], [dout, dfinal])
+    expected = tilegym_mamba2.mamba2_chunk_backward(x, a, b, c, d, dt, init, dout, dfinal, 16, backend="pytorch")
+    for leaf, want in zip(leaves, expected):
+        assert torch.allclose(leaf.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_autograd_packed_sequences_matches_float64():
+    """Packed sequences with their own initial states, and gradients flowing into the final and
+    varlen states too (which mamba_ssm's backward refuses)."""
+    t = {k: v.float() for k, v in layer_inputs(7, 1, 50, d_per_channel=True, init="sequence", sequences=3).items()}
+    cu_seqlens = cu(7, 30, 50)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    kw = dict(leaves)
+    out, final, states = tilegym_mamba2.mamba_chunk_scan_combined(
+        kw.pop("x"), kw.pop("dt"), kw.pop("A"), kw.pop("B"), kw.pop("C"), 16, **kw, cu_seqlens=cu_seqlens,
+        dt_softplus=True, dt_limit=(0.05, 2.0), return_final_states=True, return_varlen_states=True)
+    g = torch.Generator().manual_seed(3)
+    cotangents = [torch.randn(r.shape, generator=g) for r in (out, final, states)]
+    torch.autograd.backward([out, final, states], cotangents)
+    r = {k: v.double().requires_grad_() for k, v in t.items()}
+    ref = layer_token_recurrence(r["x"], r["dt"], r["A"], r["B"], r["C"], r["D"], r["z"], r["dt_bias"],
+                                 r["initial_states"], None, cu_seqlens, True, (0.05, 2.0))
+    refs = torch.autograd.grad(sum((o * c.double()).sum() for o, c in zip(ref, cotangents)), list(r.values()))
+    for (name, leaf), want in zip(leaves.items(), refs):
+        assert rel(leaf.grad, want) < 1e-4, (name, rel(leaf.grad, want))
+
+
+def test_layer_autograd_all_inputs():
+    """Every differentiable input of the layer op gets float64-accurate gradients (fp32 math)."""
+    t = {k: v.float() for k, v in layer_inputs(11, 2, 41, init="row").items()}
+    seq_idx = torch.tensor([[0] * 20 + [1] * 21, [0] * 41])
+    leaves = [v.clone().requires_grad_() for v in t.values()]
+    kw = dict(zip(t, leaves))
+    out, final = tilegym_mamba2.mamba_chunk_scan_combined(
+        kw.pop("x"), kw.pop("dt"), kw.pop("A"), kw.pop("B"), kw.pop("C"), 16, **kw, seq_idx=seq_idx,
+        dt_softplus=True, return_final_states=True)
+    dout, dfinal = torch.randn(out.shape), torch.randn(final.shape)
+    torch.autograd.backward([out, final], [dout, dfinal])
+    ref_leaves = [v.double().requires_grad_() for v in t.values()]
+    r = dict(zip(t, ref_leaves))
+    o, f, _ = layer_token_recurrence(r["x"], r["dt"], r["A"], r["B"], r["C"], r["D"], r["z"], r["dt_bias"],
+                                     r["initial_states"], seq_idx, None, True)
+    refs = torch.autograd.grad((o * dout.double()).sum() + (f * dfinal.double()).sum(), ref_leaves)
+    for name, leaf, ref in zip(t, leaves, refs):
+        assert leaf.grad is not None and leaf.grad.dtype == torch.float32, name
+        assert rel(leaf.grad, ref) < 1e-4, (name, rel(leaf.grad, ref))
+
+
+def test_compile_fullgraph_forward_and_backward():
+    """A model calling both ops compiles without graph breaks, and its gradients are eager's."""
+    x, a, b, c, d, dt, init = plain_inputs(tokens=32, groups=1)
+
+    def model(x, a, b, c, d, dt, init):
+        y, final = tilegym_mamba2.mamba2_chunk_forward(x, a, b, c, d, dt, init, chunk_size=16, backend="pytorch")
+        y2 = tilegym_mamba2.mamba_chunk_scan_combined(y, dt, a, b, c, 16, D=d, z=x, dt_bias=d, dt_softplus=True,
+                                                       backend="pytorch")
+        return (y2 * y).sum() + final.square().sum()
+
+    grads = []
+    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (x, a, b, c, d, dt, init)]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for eager, compiled in zip(*grads):
+        assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-5)
+
+
+def test_no_grad_calls_skip_the_custom_op(monkeypatch):
+    """Inference keeps its direct path: the autograd op is not entered without a gradient."""
+    import tilegym_mamba2.autograd as autograd
+    calls = []
+    monkeypatch.setattr(autograd, "chunk_forward", lambda *a: calls.append(a))
+    x, a, b, c, d, dt, init = plain_inputs(tokens=20)
+    tilegym_mamba2.mamba2_chunk_forward(x, a, b, c, d, dt, init, 16, backend="pytorch")
+    with torch.no_grad():
+        tilegym_mamba2.mamba2_chunk_forward(x.requires_grad_(), a, b, c, d, dt, init, 16, backend="pytorch")
+    assert calls == []
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(dout=torch.zeros(2, 50, 4, 7)), "dout"),
+    (dict(dout=torch.zeros(2, 50, 4, 8, dtype=torch.int32)), "dout"),
+    (dict(dfinal_state=torch.zeros(2, 4, 8, 15)), "dfinal_state"),
+    (dict(dfinal_state=[0.0]), "dfinal_state"),
+])
+def test_backward_bad_arguments_name_them(change, message):
+    x, a, b, c, d, dt, init = plain_inputs()
+    args = dict(x=x, a=a, b=b, c=c, d=d, dt=dt, init_state=init, dout=torch.zeros(x.shape),
+                dfinal_state=torch.zeros(init.shape))
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=message):
+        tilegym_mamba2.mamba2_chunk_backward(**args, backend="pytorch")
+
+
+def test_backward_registered_with_tilegym():
+    import tilegym
+    from tilegym.backend import dispatcher
+    slots = dispatcher._REGISTRY["mamba2_chunk_backward"]
+    assert getattr(slots["cutile"], "target", "") == "tilegym_mamba2.cutile.backward:mamba2_chunk_backward"
+    x, a, b, c, d, dt, init = plain_inputs(tokens=20)
+    grads = tilegym.ops.mamba2_chunk_backward(x, a, b, c, d, dt, init, torch.ones(x.shape), torch.ones(init.shape),
+                                              16, backend="pytorch")
+    assert len(grads) == 7 and grads[2].shape == b.shape
+
+
+def test_backward_kernels_compile_ahead_of_time():
+    pytest.importorskip("cuda.tile")
+    from tilegym_mamba2.toolchain import find_toolchain
+    if find_toolchain().tileiras is None:
+        pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\")")
+    from tilegym_mamba2.cutile.aot import compile_backward_kernels
+    for layer in (False, True):
+        results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
+        names = {name for name, _, _ in results}
+        expected = {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel"}
+        if layer:
+            expected |= {"varlen_states_kernel", "sequence_init_kernel"}
+        assert names == expected
+        assert all(size > 0 for _, size, _ in results)

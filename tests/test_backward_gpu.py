@@ -1,0 +1,208 @@
+"""Gradients on the GPU: mamba2_chunk_backward and autograd through both ops, cutile backend,
+against float64 autograd of the chunked references on the same (rounded) inputs, and against
+mamba_ssm's own backward where it is installed. Every kernel output starts as NaN."""
+import os
+
+import pytest
+import torch
+
+import tilegym_mamba2
+from tilegym_mamba2.cutile.launch import poisoned_outputs
+from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
+from tilegym_mamba2.reference import chunked_forward_reference
+
+pytestmark = pytest.mark.gpu
+
+# ‖g − ref‖ / ‖ref‖ for every gradient.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 5e-3}
+ERRORS_LOG = os.environ.get("TILEGYM_MAMBA2_GRAD_LOG")  # one line per checked gradient, for the notes
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    assert not torch.isnan(got).any(), "NaN in a gradient (an unwritten element or an overflow)"
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(name, grads, refs, dtype, label):
+    errors = {n: rel_err(g, r) for n, g, r in zip(name, grads, refs)}
+    if ERRORS_LOG:
+        with open(ERRORS_LOG, "a") as log:
+            log.write(f"{label} {dtype} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()) + "\n")
+    bad = {n: e for n, e in errors.items() if not e <= TOLERANCE[dtype]}
+    assert not bad, f"{label}: gradients off the float64 reference: {bad} (all: {errors})"
+
+
+def inputs(batch, tokens, groups, heads, state, head, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dt)
+    x = torch.nn.functional.silu(randn(batch, tokens, heads, head, dt=torch.float32)).to(dtype)
+    b = torch.nn.functional.silu(randn(batch, tokens, groups, state, dt=torch.float32)).to(dtype)
+    c = torch.nn.functional.silu(randn(batch, tokens, groups, state, dt=torch.float32)).to(dtype)
+    a = -(1 + 15 * torch.rand(heads, generator=g, device="cuda"))
+    dt_raw = randn(batch, tokens, heads, dt=torch.float32) - 2
+    return x, a, b, c, dt_raw, g
+
+
+PLAIN_CASES = [
+    # batch, tokens, groups, heads, state, head, dtype, with init_state
+    (2, 256, 1, 4, 64, 64, torch.bfloat16, True),
+    (1, 1000, 2, 8, 128, 64, torch.bfloat16, True),   # ragged: 1000 % 64 != 0
+    (2, 4096, 1, 8, 128, 64, torch.bfloat16, False),
+    (1, 512, 1, 4, 256, 64, torch.bfloat16, True),
+    (2, 300, 2, 4, 64, 128, torch.float16, True),
+    (1, 200, 1, 4, 128, 32, torch.float32, True),
+    (1, 1, 1, 4, 128, 64, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("batch,tokens,groups,heads,state,head,dtype,with_init", PLAIN_CASES)
+def test_chunk_backward_matches_float64(batch, tokens, groups, heads, state, head, dtype, with_init):
+    seed = int.from_bytes(os.urandom(4), "little")
+    x, a, b, c, dt_raw, g = inputs(batch, tokens, groups, heads, state, head, dtype, seed)
+    dt = torch.nn.functional.softplus(dt_raw)
+    d = torch.randn(heads, device="cuda", generator=g)
+    init = 0.1 * torch.randn(batch, heads, head, state, device="cuda", generator=g) if with_init else None
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(dtype)
+    dfinal = torch.randn(batch, heads, head, state, device="cuda", generator=g)
+    with poisoned_outputs():
+        grads = tilegym_mamba2.mamba2_chunk_backward(x, a, b, c, d, dt, init, dout, dfinal, 128)
+
+    leaves = [t.double().requires_grad_() for t in (x, a, b, c, d, dt) + ((init,) if with_init else ())]
+    out, final = chunked_forward_reference(*leaves[:6], leaves[6] if with_init else None, 64)
+    refs = torch.autograd.grad((out * dout.double()).sum() + (final * dfinal.double()).sum(), leaves)
+    names = ["dx", "da", "db", "dc", "dd", "ddt"] + (["dinit_state"] if with_init else [])
+    assert grads[0].dtype == dtype and grads[2].dtype == dtype and grads[5].dtype == dt.dtype
+    check(names, grads, refs, dtype, f"chunk_backward seed={seed} {batch, tokens, groups, heads, state, head}")
+    if not with_init:
+        assert torch.equal(grads[6], torch.zeros_like(grads[6]))
+
+
+LAYER_OPTIONS = {
+    "plain": {},
+    "mixer": dict(D="head", z=True, dt_bias=True, dt_softplus=True),
+    "channel_d_clamp": dict(D="channel", dt_bias=True, dt_softplus=True, dt_limit=(0.01, 0.5)),
+    "row_init": dict(init="row", z=True, dt_softplus=True),
+    "seq_idx": dict(seq_idx=True, init="row", D="head", dt_softplus=True),
+    "cu_seqlens": dict(cu_seqlens=True, z=True, dt_bias=True, dt_softplus=True, varlen=True),
+    "per_sequence_init": dict(cu_seqlens=True, init="sequence", dt_softplus=True, varlen=True),
+}
+
+
+def layer_case(options, batch, tokens, groups, heads, state, head, dtype, seed):
+    x, A, B, C, dt_raw, g = inputs(batch, tokens, groups, heads, state, head, dtype, seed)
+    kw = dict(dt_softplus=options.get("dt_softplus", False), dt_limit=options.get("dt_limit", (0.0, float("inf"))))
+    if not kw["dt_softplus"]:
+        dt_raw = torch.nn.functional.softplus(dt_raw)
+    if options.get("D"):
+        kw["D"] = torch.randn(heads, *((head,) if options["D"] == "channel" else ()), device="cuda", generator=g)
+    if options.get("z"):
+        kw["z"] = torch.randn(x.shape, device="cuda", generator=g).to(dtype)
+    if options.get("dt_bias"):
+        kw["dt_bias"] = torch.randn(heads, device="cuda", generator=g) - 1
+    cu = None
+    if options.get("cu_seqlens"):
+        cuts = sorted(torch.randperm(tokens - 1, generator=torch.Generator().manual_seed(seed))[:5].add(1).tolist())
+        cu = torch.tensor([0] + cuts + [tokens], dtype=torch.int32, device="cuda")
+        kw["cu_seqlens"] = cu
+    if options.get("seq_idx"):
+        cuts = torch.tensor([tokens // 5, tokens // 2, tokens - 3], device="cuda")
+        seq = (torch.arange(tokens, device="cuda")[None] >= cuts[:, None]).sum(0).to(torch.int32)
+        kw["seq_idx"] = torch.stack([seq, seq.clamp(min=1)])[:batch].contiguous()
+    if options.get("init") == "row":
+        kw["initial_states"] = 0.1 * torch.randn(batch, heads, head, state, device="cuda", generator=g)
+    elif options.get("init") == "sequence":
+        kw["initial_states"] = 0.1 * torch.randn(cu.numel() - 1, heads, head, state, device="cuda", generator=g)
+    return x, dt_raw, A, B, C, kw, g
+
+
+@pytest.mark.parametrize("name", list(LAYER_OPTIONS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_autograd_matches_float64(name, dtype):
+    options = LAYER_OPTIONS[name]
+    seed = int.from_bytes(os.urandom(4), "little")
+    batch = 1 if options.get("cu_seqlens") else 2
+    x, dt_raw, A, B, C, kw, g = layer_case(options, batch, 777, 2, 4, 64, 64, dtype, seed)
+    varlen = bool(options.get("varlen"))
+    names = ["x", "dt", "A", "B", "C"] + [k for k in ("D", "z", "dt_bias", "initial_states") if k in kw]
+
+    def run(tensors, reference):
+        args = dict(zip(names, tensors))
+        extra = {k: v for k, v in kw.items() if k not in args}
+        if not reference:
+            return tilegym_mamba2.mamba_chunk_scan_combined(
+                args.pop("x"), args.pop("dt"), args.pop("A"), args.pop("B"), args.pop("C"), 256, **args, **extra,
+                return_final_states=True, return_varlen_states=varlen)
+        dt = process_dt(args["dt"], args.get("dt_bias"), kw["dt_softplus"], kw["dt_limit"], dtype=torch.float64)
+        out, final, states = chunked_layer_reference(
+            args["x"], dt, args["A"], args["B"], args["C"], args.get("D"), args.get("z"),
+            args.get("initial_states"), kw.get("seq_idx"), kw.get("cu_seqlens"), chunk_size=64)
+        return (out, final, states) if varlen else (out, final)
+
+    tensors = [x, dt_raw, A, B, C] + [kw[k] for k in names[5:]]
+    ours = [t.detach().clone().requires_grad_() for t in tensors]
+    with poisoned_outputs():
+        results = run(ours, reference=False)
+    cotangents = [torch.randn(r.shape, device="cuda", generator=g) for r in results]
+    torch.autograd.backward([r.float() for r in results], cotangents)
+    ref_leaves = [t.detach().double().requires_grad_() for t in tensors]
+    ref = run(ref_leaves, reference=True)
+    refs = torch.autograd.grad(sum((r * c.double()).sum() for r, c in zip(ref, cotangents)), ref_leaves)
+    check(names, [t.grad for t in ours], refs, dtype, f"layer[{name}] seed={seed}")
+    for t, leaf in zip(tensors, ours):
+        assert leaf.grad.dtype == t.dtype
+
+
+def test_layer_gradients_next_to_mamba_ssm():
+    """Same bf16 inputs through mamba_ssm's autograd: ours is no further from float64."""
+    ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
+    seed = int.from_bytes(os.urandom(4), "little")
+    for name in ("mixer", "seq_idx", "channel_d_clamp"):
+        options = LAYER_OPTIONS[name]
+        x, dt_raw, A, B, C, kw, g = layer_case(options, 2, 2048, 1, 8, 128, 64, torch.bfloat16, seed)
+        names = ["x", "dt", "A", "B", "C"] + [k for k in ("D", "z", "dt_bias", "initial_states") if k in kw]
+        tensors = [x, dt_raw, A, B, C] + [kw[k] for k in names[5:]]
+        extra = {k: v for k, v in kw.items() if k not in names}
+        dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+        grads = {}
+        for impl, fn in (("ours", tilegym_mamba2.mamba_chunk_scan_combined), ("mamba_ssm", ssd.mamba_chunk_scan_combined)):
+            leaves = [t.detach().clone().requires_grad_() for t in tensors]
+            args = dict(zip(names, leaves))
+            out = fn(args.pop("x"), args.pop("dt"), args.pop("A"), args.pop("B"), args.pop("C"), 256, **args, **extra)
+            out.backward(dout)
+            grads[impl] = [t.grad for t in leaves]
+        ref_leaves = [t.detach().double().requires_grad_() for t in tensors]
+        args = dict(zip(names, ref_leaves))
+        dt = process_dt(args["dt"], args.get("dt_bias"), kw["dt_softplus"], kw["dt_limit"], dtype=torch.float64)
+        out = chunked_layer_reference(args["x"], dt, args["A"], args["B"], args["C"], args.get("D"), args.get("z"),
+                                      args.get("initial_states"), kw.get("seq_idx"), None, chunk_size=64)[0]
+        refs = torch.autograd.grad((out * dout.double()).sum(), ref_leaves)
+        for n, ours, theirs, ref in zip(names, grads["ours"], grads["mamba_ssm"], refs):
+            e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
+            if ERRORS_LOG:
+                with open(ERRORS_LOG, "a") as log:
+                    log.write(f"vs_mamba_ssm[{name}] seed={seed} d{n}: ours={e_ours:.2e} mamba_ssm={e_theirs:.2e}\n")
+            assert e_ours <= max(1.5 * e_theirs, 2e-3), f"{name} d{n}: ours {e_ours:.2e}, mamba_ssm {e_theirs:.2e}"
+
+
+def test_plain_op_autograd_and_compile():
+    """mamba2_chunk_forward under autograd equals mamba2_chunk_backward, eager and compiled."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    x, a, b, c, dt_raw, g = inputs(2, 500, 1, 4, 128, 64, torch.bfloat16, seed)
+    dt = torch.nn.functional.softplus(dt_raw)
+    d = torch.randn(4, device="cuda", generator=g)
+    init = 0.1 * torch.randn(2, 4, 64, 128, device="cuda", generator=g)
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    dfinal = torch.randn(init.shape, device="cuda", generator=g)
+    expected = tilegym_mamba2.mamba2_chunk_backward(x, a, b, c, d, dt, init, dout, dfinal, 128)
+
+    def loss(*tensors):
+        out, final = tilegym_mamba2.mamba2_chunk_forward(*tensors, chunk_size=128)
+        return (out.float() * dout.float()).sum() + (final * dfinal).sum()
+
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, a, b, c, d, dt, init)]
+        fn(*leaves).backward()
+        for got, want in zip([t.grad for t in leaves], expected):
+            assert rel_err(got, want) < 1e-5
