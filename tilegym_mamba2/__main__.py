@@ -32,6 +32,8 @@ def main(argv=None):
     bench.add_argument("--layer", action="store_true",
                        help="instead: the layer op (mamba_chunk_scan_combined with its options, packed "
                             "batches) against mamba_ssm's")
+    bench.add_argument("--backward", action="store_true",
+                       help="forward + backward (training), ours vs tilegym's and mamba_ssm's, gradients checked")
     bench.add_argument("--stages", action="store_true",
                        help="instead: time each stage of our op alone, next to the whole call")
     tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
@@ -145,6 +147,13 @@ def bench_cmd(args) -> int:
     shapes = bench.GRID_SHAPES if args.grid else bench.ANCHOR_SHAPES
     if args.stages:
         bench.stage_times(shapes)
+        return 0
+    if args.backward:
+        from .bench_backward import backward_table, run_backward_bench
+        rows = run_backward_bench(tilegym_shapes=0 if args.only is not None and "tilegym" not in args.only else 2)
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
+        print(backward_table(rows))
         return 0
     if args.layer:
         from .bench_layer import layer_table, run_layer_bench
