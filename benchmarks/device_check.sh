@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for a whole check, logs under $OUT (or ./device_logs). Two parts, each fits in
 # one 10-minute call:
+#   bash benchmarks/device_check.sh backward the backward's GPU tests and the layer op's, then bench --backward
 #   bash benchmarks/device_check.sh tests   every GPU test: the cutile half and the layer half run
 #                                           as two processes side by side (compiling is CPU-bound),
 #                                           each stopped with SIGINT at its limit so pytest still
@@ -25,6 +26,23 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+backward)
+  # The backward's GPU tests (gradient errors logged one line each) next to the layer op's forward
+  # tests, then bench --backward (PEERS: which peers, default mamba_ssm; tilegym autotunes minutes).
+  limit=${LIMIT_S:-330}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward.log" 2>&1 &
+  first=$!
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/test_layer_cutile_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_layer.log" 2>&1
+  wait "$first"
+  for log in "$out"/gpu_backward.log "$out"/gpu_layer.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -15
+  done
+  timeout "${BENCH_S:-200}" python3 -m tilegym_mamba2 bench --backward --only ${PEERS:-mamba_ssm} \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  tail -12 "$out/backward.log"
+  ;;
 tests)
   limit=${LIMIT_S:-540}
   timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile -p no:cacheprovider --tb=short -rfE \

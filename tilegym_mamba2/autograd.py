@@ -21,7 +21,7 @@ _NONE = ()  # custom ops return tensors only: an empty tensor stands for "no gra
 def wanted(*tensors) -> bool:
     if torch.compiler.is_compiling():
         return True
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 # --- mamba2_chunk_forward ------------------------------------------------------------------
