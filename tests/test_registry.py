@@ -4,7 +4,6 @@ Whatever touches tilegym's global dispatcher state (or pretends tilegym is absen
 a fresh interpreter, so the situations cannot leak into each other or into other tests.
 """
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -202,37 +201,60 @@ def test_without_tilegym():
     """))
 
 
-def _installed_from_wheel():
-    """The installed distribution, or None when absent or installed in editable mode."""
+# What an installed copy is, asked of a fresh interpreter started outside the checkout with the
+# checkout off PYTHONPATH. Asking in this process would be wrong: the checkout is on sys.path here,
+# and pip's in-tree build leaves tilegym_mamba2.egg-info in it (for `pip install .` and
+# `pip install -e .` alike), which importlib.metadata finds before the installed dist-info.
+PROBE = textwrap.dedent("""
+    import importlib.metadata, importlib.resources, json, os
     try:
         dist = importlib.metadata.distribution("tilegym-mamba2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    direct_url = dist.read_text("direct_url.json")
-    if direct_url and json.loads(direct_url).get("dir_info", {}).get("editable"):
-        return None
-    files = [str(f) for f in dist.files or []]
-    if any("__editable__" in f for f in files) or "tilegym_mamba2/ops_registry.yaml" not in files:
-        return None
-    return dist
+        import tilegym_mamba2
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        print(json.dumps(None))
+        raise SystemExit(0)
+    from tilegym_mamba2.registry import load_registry
+    direct_url = json.loads(dist.read_text("direct_url.json") or "{}")
+    resource = importlib.resources.files("tilegym_mamba2").joinpath("ops_registry.yaml")
+    print(json.dumps({
+        "metadata": str(dist.locate_file("")),
+        "editable": bool(direct_url.get("dir_info", {}).get("editable")),
+        "module": tilegym_mamba2.__file__,
+        "registry": str(resource),
+        "registry_is_link": os.path.islink(str(resource)),
+        "ops": list(load_registry()),
+    }))
+""")
 
 
-def test_registry_found_from_installed_package(tmp_path):
-    if _installed_from_wheel() is None:
-        pytest.skip("package not installed from a wheel; .ci/run installs it")
+def installed_package(cwd) -> dict | None:
     env = dict(os.environ)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
              if p and Path(p).resolve() != REPO]
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    out = run_python(textwrap.dedent("""
-        import tilegym_mamba2
-        from tilegym_mamba2.registry import load_registry
-        print(tilegym_mamba2.__file__)
-        print(" ".join(load_registry()))
-    """), cwd=tmp_path, env=env)
-    file, ops = out.strip().splitlines()[-2:]
-    assert Path(file).resolve().parent != REPO / "tilegym_mamba2", f"imported the checkout, not the install: {file}"
-    assert OP in ops.split()
+    return json.loads(run_python(PROBE, cwd=cwd, env=env).strip().splitlines()[-1])
+
+
+def test_registry_found_from_installed_package(tmp_path):
+    """The ops of ops_registry.yaml are found by an installed copy, in both install modes:
+    a wheel (`pip install .`, what .ci/run does) carries the yaml as a file of its own, and an
+    editable install (`pip install -e .`) reads the checkout's top-level ops_registry.yaml."""
+    found = installed_package(tmp_path)
+    if found is None:
+        pytest.skip("tilegym-mamba2 is not installed in this environment (pip install . or -e .)")
+    assert OP in found["ops"], found
+    module, registry = Path(found["module"]).resolve(), Path(found["registry"]).resolve()
+    assert REPO not in Path(found["metadata"]).resolve().parents, (
+        f"read the metadata of the checkout's build directory, not of the install: {found}")
+    if found["editable"]:
+        assert module.parent == REPO / "tilegym_mamba2", f"editable install imports {module}"
+        assert registry == REPO / "ops_registry.yaml", f"editable install reads {registry}"
+    else:
+        assert module.parent != REPO / "tilegym_mamba2", f"imported the checkout, not the install: {module}"
+        assert registry.parent == module.parent and not found["registry_is_link"], (
+            f"the installed package must carry ops_registry.yaml as a file of its own: {found}")
+        assert registry.read_text() == (REPO / "ops_registry.yaml").read_text(), (
+            "the installed ops_registry.yaml differs from the checkout's: reinstall (pip install .)")
 
 
 @pytest.mark.parametrize("text", [

@@ -141,13 +141,33 @@ def test_b_c_dtype_must_match_x(call, name, dtype):
     assert str(dtype) in str(info.value)
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float64, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
 def test_x_dtype(call, dtype):
     kw = make_inputs()
     for name in ("x", "b", "c"):  # b and c follow x, so only x's own dtype check can fire
         kw[name] = kw[name].to(dtype)
-    with pytest.raises(TypeError, match=r"^x must be bfloat16, float16 or float32"):
+    with pytest.raises(TypeError, match=r"^x must be bfloat16, float16, float32 or float64, got"):
         call(**kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_x_dtype_cutile(dtype):
+    """The cutile backend takes no float64; the dtype is checked before the device."""
+    kw = make_inputs()
+    for name in ("x", "b", "c"):
+        kw[name] = kw[name].to(dtype)
+    with pytest.raises(TypeError, match=rf"^x must be bfloat16, float16 or float32 for the cutile backend, "
+                                        rf"got {dtype}"):
+        check_forward_args(**kw, backend="cutile")
+
+
+def test_float64_inputs_stay_float64_on_pytorch():
+    kw = make_inputs(dtype=torch.float64)
+    kw["a"], kw["d"], kw["init_state"] = kw["a"].float(), kw["d"].half(), kw["init_state"].float()
+    args = check(**kw)
+    for name in ("x", "a", "b", "c", "d", "dt", "init_state"):
+        assert getattr(args, name).dtype == torch.float64, name
+    torch.testing.assert_close(args.a, kw["a"].double(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["dt", "a", "d", "init_state"])

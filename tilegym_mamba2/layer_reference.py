@@ -11,6 +11,8 @@ Same arguments and semantics as mamba_ssm's function of that name (forward):
   ``initial_states`` [batch, ...] starts each row's sequence with id 0, as in mamba_ssm; with
   cu_seqlens it may also be [num_sequences, ...], one initial state per sequence.
 * returns out (x's dtype), final_states (fp32) and varlen_states (C's dtype), as mamba_ssm.
+  The "pytorch" backend also takes float64 inputs; it then computes in float64 and returns
+  float64 final_states (for torch.autograd.gradcheck on a CPU).
 
 ``layer_token_recurrence`` is the float64 ground truth; ``mamba_chunk_scan_combined_pytorch``
 is the "pytorch" backend, which runs the chunked reference on each sequence in fp32 (so
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 
 from .reference import (_chunked, _chunked_decay, _expand_groups, chunked_forward_reference,
                         decay_cumsum_reference)
-from .validation import check_scan_combined_args, seq_idx_from_cu_seqlens
+from .validation import check_scan_combined_args, compute_dtype, seq_idx_from_cu_seqlens
 
 
 def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), dtype=torch.float32):
@@ -120,7 +122,8 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
                                       initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                                       dt_limit=(0.0, float("inf")), return_final_states=False,
                                       return_varlen_states=False):
-    """The "pytorch" backend: the chunked reference in fp32, one sequence at a time."""
+    """The "pytorch" backend: the chunked reference in fp32 (float64 for float64 x), one sequence
+    at a time. With a gradient wanted, backward.py's explicit backward runs on backward."""
     from .autograd import differentiable_scan_combined, wanted
     if wanted(x, dt, A, B, C, D, z, dt_bias, initial_states):
         return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
@@ -131,23 +134,24 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
                                     return_varlen_states, backend="pytorch")
     x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = args[:12]
     batch, tokens, heads, head_size = x.shape
-    dt = process_dt(dt, dt_bias, args.dt_softplus, args.dt_limit)
-    no_skip = torch.zeros(heads, dtype=torch.float32, device=x.device)
+    dtype = compute_dtype(x)
+    dt = process_dt(dt, dt_bias, args.dt_softplus, args.dt_limit, dtype=dtype)
+    no_skip = torch.zeros(heads, dtype=dtype, device=x.device)
 
-    out = torch.empty(batch, tokens, heads, head_size, dtype=torch.float32, device=x.device)
-    final_states = torch.zeros(batch, heads, head_size, B.shape[3], dtype=torch.float32, device=x.device)
+    out = torch.empty(batch, tokens, heads, head_size, dtype=dtype, device=x.device)
+    final_states = torch.zeros(batch, heads, head_size, B.shape[3], dtype=dtype, device=x.device)
     varlen = []
     for row, start, end, init in _sequences(seq_idx, cu_seqlens, initial_states, batch, tokens):
         part = slice(row, row + 1), slice(start, end)
         y, h = chunked_forward_reference(x[part], A, B[part], C[part], no_skip, dt[part], init, chunk_size,
-                                         dtype=torch.float32)
+                                         dtype=dtype)
         out[part] = y
         varlen.append(h[0])
         final_states[row] = h[0]
     if D is not None:
-        out = out + (D[:, None] if D.ndim == 1 else D) * x.float()
+        out = out + (D[:, None] if D.ndim == 1 else D) * x.to(dtype)
     if z is not None:
-        out = out * F.silu(z.float())
+        out = out * F.silu(z.to(dtype))
     # mamba_ssm returns the per-sequence states in C's dtype (the final states in fp32).
     varlen_states = torch.stack(varlen).to(C.dtype) if cu_seqlens is not None else None
     return _returns(out.to(x.dtype), final_states, varlen_states, args.return_final_states,

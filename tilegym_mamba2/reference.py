@@ -11,7 +11,8 @@ is the yardstick the cuTile kernels are measured against:
   checked on its own.
 * ``chunked_forward_reference`` composes the stages in any dtype.
 * ``mamba2_chunk_forward_pytorch`` is the "pytorch" backend: the chunked
-  algorithm in float32.
+  algorithm in float32 (in float64 for float64 inputs, so that
+  ``torch.autograd.gradcheck`` can run through it).
 
 Layouts (B batch, T tokens, H heads, G groups, P head_size, N state_size,
 L chunk_size, K = ceil(T / L) chunks):
@@ -32,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .validation import check_forward_args
+from .validation import check_forward_args, compute_dtype
 
 __all__ = [
     "LOG2E",
@@ -241,10 +242,11 @@ def mamba2_chunk_forward_pytorch(
     init_state: torch.Tensor | None = None,
     chunk_size: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The "pytorch" backend: chunked forward computed in float32.
+    """The "pytorch" backend: chunked forward computed in float32, or in float64 when x is float64.
 
     Returns ``out`` [B, T, H, P] in ``x.dtype`` and ``final_state`` [B, H, P, N]
-    in float32, matching what the cuTile backend produces.
+    in float32 (float64 for float64 x), matching what the cuTile backend produces.
+    With a gradient wanted, backward.py's explicit backward runs on backward.
     """
     from .autograd import differentiable_chunk_forward, wanted
     if wanted(x, a, b, c, d, dt, init_state):
@@ -252,6 +254,6 @@ def mamba2_chunk_forward_pytorch(
     x, a, b, c, d, dt, init_state, chunk_size = check_forward_args(
         x, a, b, c, d, dt, init_state, chunk_size, backend="pytorch")
     out, final_state = chunked_forward_reference(
-        x, a, b, c, d, dt, init_state, chunk_size=chunk_size, dtype=torch.float32
+        x, a, b, c, d, dt, init_state, chunk_size=chunk_size, dtype=compute_dtype(x)
     )
     return out.to(x.dtype), final_state

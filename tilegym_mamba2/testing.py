@@ -1,4 +1,10 @@
-"""Problem specs and reproducible sample inputs for tests and benchmarks."""
+"""Problem specs and reproducible sample inputs for tests and benchmarks.
+
+``Mamba2ProblemSpec`` is a drop-in for the spec class of TileGym's own mamba2 test file
+(tests/ops/test_mamba2.py): the same positional fields, and ``get_sample_inputs()`` returns
+every key that file's forward and backward tests read, under its names and layouts, with
+float64 references.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +14,23 @@ import torch
 import torch.nn.functional as F
 
 from .reference import (
+    LOG2E,
+    _expand_groups,
     chunk_output_reference,
     chunk_states_reference,
     decay_cumsum_reference,
 )
 
-__all__ = ["FORWARD_ARGS", "Mamba2ProblemSpec", "forward_inputs"]
+__all__ = ["COTANGENTS", "FORWARD_ARGS", "FORWARD_REFERENCES", "GRADIENT_REFERENCES", "Mamba2ProblemSpec",
+           "forward_inputs"]
 
 # The keyword arguments of the forward op, in signature order.
 FORWARD_ARGS = ("x", "a", "b", "c", "d", "dt", "init_state", "chunk_size")
+# What get_sample_inputs adds: cotangents (with_backward), forward references (with_reference),
+# gradient references (both).
+COTANGENTS = ("dout", "dfinal_state")
+FORWARD_REFERENCES = ("out", "final_state", "decay_cumsum", "decay_cumsum_loge", "hiddens", "chunk_states")
+GRADIENT_REFERENCES = ("dx", "da", "db", "dc", "dd", "ddt", "dinit_state", "dhiddens")
 
 _SIZE_FIELDS = ("batch_size", "num_tokens", "num_groups", "num_heads", "state_size", "head_size", "chunk_size")
 
@@ -86,11 +100,33 @@ class Mamba2ProblemSpec:
     def get_sample_inputs(self, *, with_reference: bool = True, with_backward: bool = True) -> dict:
         """Random inputs (and optionally references and cotangents) on ``self.device``.
 
-        Always: x, a, b, c, d, dt, init_state, chunk_size, so ``op(**inputs)``
-        works. ``with_backward`` adds ``dout`` and ``dfinal_state``;
-        ``with_reference`` adds float64 ``out``, ``final_state``,
-        ``decay_cumsum`` and ``chunk_states`` computed from the inputs exactly
-        as they were cast to ``dtype``.
+        Always: x, a, b, c, d, dt, init_state, chunk_size, so ``op(**inputs)`` works
+        (``forward_inputs`` keeps just those). ``with_backward`` adds the cotangents ``dout``
+        [B, T, H, P] in ``dtype`` and ``dfinal_state`` [B, H, P, N] fp32.
+
+        ``with_reference`` adds float64 references computed from the inputs exactly as they
+        were cast to ``dtype``, under the names and layouts of TileGym's mamba2 test file:
+
+        * ``out`` [B, T, H, P], ``final_state`` [B, H, P, N];
+        * ``hiddens`` [B, H, K, P, N], the state entering each chunk (also as ``chunk_states``);
+        * ``decay_cumsum`` [B, T, H]: the cumsum of a*dt restarting every chunk, in base 2
+          (times log2(e)), and ``decay_cumsum_loge`` [B, T, H], the same in base e. (Before,
+          ``decay_cumsum`` was [B, H, K * L], the kernels' padded layout; it follows TileGym's
+          meaning now. ``reference.decay_cumsum_reference`` still gives the padded layout.)
+
+        With both flags, gradient references of L = <dout, out> + <dfinal_state, final_state>,
+        by float64 autograd through reference.py's chunked stages:
+
+        * ``dx`` [B, T, H, P], ``da`` [H], ``dd`` [H], ``ddt`` [B, T, H] (dt as passed, after
+          softplus), ``dinit_state`` [B, H, P, N];
+        * ``db``, ``dc`` [B, T, H, N], per head: before the sum over the heads of a group, as
+          TileGym's test has them (the gradient of b is ``db.unflatten(2, (G, H // G)).sum(3)``);
+        * ``dhiddens`` [B, H, K, P, N]: the gradient of the state leaving each chunk (the one
+          entering chunk k + 1; for the last chunk, ``final_state``, so it is ``dfinal_state``).
+
+        TileGym's spec also returns its own backward algorithm's intermediate partial sums
+        (``dcb``, ``ddt_partial``, ``ddecay_cumsum_partial``); its tests do not read them, and
+        they are not gradients of anything, so they are not offered here.
         """
         B, T, G, H = self.batch_size, self.num_tokens, self.num_groups, self.num_heads
         N, P, L = self.state_size, self.head_size, self.chunk_size
@@ -134,12 +170,47 @@ class Mamba2ProblemSpec:
             inputs["dfinal_state"] = randn(B, H, P, N).to(dev, torch.float32)
         if with_reference:
             inputs.update(self._references(inputs))
+        if with_reference and with_backward:
+            inputs.update(self._gradient_references(inputs))
         return inputs
 
     def _references(self, inputs: dict) -> dict:
         x, b, c, d, dt = (inputs[k] for k in ("x", "b", "c", "d", "dt"))
-        L = self.chunk_size
+        L, T = self.chunk_size, self.num_tokens
         g = decay_cumsum_reference(inputs["a"], dt, L)
         states, final_state = chunk_states_reference(x, b, dt, g, inputs["init_state"], L)
         out = chunk_output_reference(x, b, c, d, dt, g, states, L)
-        return {"out": out, "final_state": final_state, "decay_cumsum": g, "chunk_states": states}
+        per_token = g[:, :, :T].transpose(1, 2).contiguous()  # [B, H, K * L] -> [B, T, H]
+        return {"out": out, "final_state": final_state, "decay_cumsum": per_token,
+                "decay_cumsum_loge": per_token / LOG2E, "hiddens": states, "chunk_states": states}
+
+    def _gradient_references(self, inputs: dict) -> dict:
+        """Float64 autograd through the chunked stages, one chunk at a time, so that the state
+        handed from chunk to chunk is a tensor to differentiate against (dhiddens)."""
+        f64, L, T, H = torch.float64, self.chunk_size, self.num_tokens, self.num_heads
+
+        def leaf(t):
+            return t.detach().to(f64, copy=True).requires_grad_()
+
+        with torch.enable_grad():  # TileGym's tests call get_sample_inputs under torch.no_grad()
+            x, a, d, dt, init = (leaf(inputs[k]) for k in ("x", "a", "d", "dt", "init_state"))
+            # Per-head copies of b and c (a group per head), so their gradients come per head.
+            b = leaf(_expand_groups(inputs["b"].to(f64), H))
+            c = leaf(_expand_groups(inputs["c"].to(f64), H))
+            state, outs, leaving = init, [], []
+            for start in range(0, T, L):
+                part = slice(start, min(start + L, T))
+                g = decay_cumsum_reference(a, dt[:, part], L)
+                outs.append(chunk_output_reference(x[:, part], b[:, part], c[:, part], d, dt[:, part], g,
+                                                   state[:, :, None], L))
+                _, state = chunk_states_reference(x[:, part], b[:, part], dt[:, part], g, state, L)
+                leaving.append(state)
+            dfinal = inputs["dfinal_state"].to(f64)
+            grads = torch.autograd.grad(
+                (torch.cat(outs, dim=1), state), (x, a, b, c, d, dt, init, *leaving[:-1]),
+                grad_outputs=(inputs["dout"].to(f64), dfinal))
+        dx, da, db, dc, dd, ddt, dinit = grads[:7]
+        # The state leaving the last chunk is final_state: its gradient is dfinal_state.
+        dhiddens = torch.stack([*grads[7:], dfinal], dim=2)
+        return {"dx": dx, "da": da, "db": db, "dc": dc, "dd": dd, "ddt": ddt, "dinit_state": dinit,
+                "dhiddens": dhiddens}

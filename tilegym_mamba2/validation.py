@@ -9,6 +9,9 @@ from typing import NamedTuple
 import torch
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The pytorch backend also takes float64 (and then computes in it), so that
+# torch.autograd.gradcheck can run against it on a CPU.
+PYTORCH_INPUT_DTYPES = INPUT_DTYPES + (torch.float64,)
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 # cuTile tiles have power-of-two shapes and tensor-core matmuls need at least 16 along each side.
 CUTILE_DIMS = (16, 32, 64, 128, 256)
@@ -25,12 +28,17 @@ class ForwardArgs(NamedTuple):
     chunk_size: int
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the pytorch backends compute in: float64 for float64 inputs, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, *, backend: str) -> ForwardArgs:
     """Checks the mamba2_chunk_forward contract; returns contiguous tensors, with a, d and
-    init_state as fp32. Raises TypeError (wrong type or dtype) or ValueError (wrong shape,
-    size or device)."""
+    init_state in ``compute_dtype(x)`` (fp32, or float64 for float64 x on the pytorch backend).
+    Raises TypeError (wrong type or dtype) or ValueError (wrong shape, size or device)."""
     batch, tokens, heads, head_size, groups, state_size = _check_scan_inputs(
-        {"x": x, "a": a, "b": b, "c": c, "dt": dt})
+        {"x": x, "a": a, "b": b, "c": c, "dt": dt}, backend)
     _expect_tensor("d", d)
     _expect_shape("d", d, (heads,), "[heads]")
     _expect_float("d", d)
@@ -42,21 +50,26 @@ def check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, *, backend: st
     _check_chunk_size(chunk_size)
     _check_device({"x": x, "a": a, "b": b, "c": c, "d": d, "dt": dt, "init_state": init_state},
                   backend, head_size, state_size)
+    dtype = compute_dtype(x)
     return ForwardArgs(
-        x.contiguous(), a.to(torch.float32).contiguous(), b.contiguous(), c.contiguous(),
-        d.to(torch.float32).contiguous(), dt.contiguous(),
-        None if init_state is None else init_state.to(torch.float32).contiguous(), chunk_size)
+        x.contiguous(), a.to(dtype).contiguous(), b.contiguous(), c.contiguous(),
+        d.to(dtype).contiguous(), dt.contiguous(),
+        None if init_state is None else init_state.to(dtype).contiguous(), chunk_size)
 
 
-def _check_scan_inputs(named: dict) -> tuple:
+def _check_scan_inputs(named: dict, backend: str) -> tuple:
     """x, a, b, c, dt under the caller's names -> (batch, tokens, heads, head_size, groups, state_size)."""
     (nx, x), (na, a), (nb, b), (nc, c), (ndt, dt) = named.items()
     for name, t in named.items():
         _expect_tensor(name, t)
     _expect_rank(nx, x, "[batch, tokens, heads, head_size]")
     batch, tokens, heads, head_size = x.shape
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{nx} must be bfloat16, float16 or float32, got {x.dtype}")
+    if backend == "pytorch" and x.dtype not in PYTORCH_INPUT_DTYPES:
+        raise TypeError(f"{nx} must be bfloat16, float16, float32 or float64, got {x.dtype}")
+    if backend != "pytorch" and x.dtype not in INPUT_DTYPES:
+        hint = " (the pytorch backend takes float64)" if x.dtype == torch.float64 else ""
+        raise TypeError(f"{nx} must be bfloat16, float16 or float32 for the {backend} backend, "
+                        f"got {x.dtype}{hint}")
     if batch < 1 or tokens < 1 or heads < 1 or head_size < 1:
         raise ValueError(f"{nx} [batch, tokens, heads, head_size] must have no empty dimension, got {tuple(x.shape)}")
 
@@ -163,7 +176,7 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     The order of cu_seqlens and seq_idx is checked on the host, which reads them (one small
     device-to-host copy each): a silently wrong answer costs more than that copy."""
     batch, tokens, heads, head_size, groups, state_size = _check_scan_inputs(
-        {"x": x, "A": A, "B": B, "C": C, "dt": dt})
+        {"x": x, "A": A, "B": B, "C": C, "dt": dt}, backend)
     _check_chunk_size(chunk_size)
     if D is not None:
         _expect_tensor("D", D)
@@ -209,12 +222,14 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
                    "initial_states": initial_states, "seq_idx": seq_idx, "cu_seqlens": cu_seqlens},
                   backend, head_size, state_size)
 
-    def f32(t):
-        return None if t is None else t.to(torch.float32).contiguous()
+    dtype = compute_dtype(x)
+
+    def cast(t):
+        return None if t is None else t.to(dtype).contiguous()
 
     return ScanCombinedArgs(
-        x.contiguous(), dt.contiguous(), f32(A), B.contiguous(), C.contiguous(), chunk_size, f32(D),
-        None if z is None else z.contiguous(), f32(dt_bias), f32(initial_states),
+        x.contiguous(), dt.contiguous(), cast(A), B.contiguous(), C.contiguous(), chunk_size, cast(D),
+        None if z is None else z.contiguous(), cast(dt_bias), cast(initial_states),
         None if seq_idx is None else seq_idx.contiguous(),
         None if cu_seqlens is None else cu_seqlens.contiguous(),
         dt_softplus, (float(dt_limit[0]), float(dt_limit[1])), return_final_states, return_varlen_states)
