@@ -127,3 +127,43 @@ def compile_state_update_kernels(target="sm_90", *, batch=4, slots=6, heads=8, h
     with recording_launches() as launches:
         run_state_update(args)
     return _export(launches, target)
+
+
+def compile_conv_kernels(target="sm_90", *, batch=2, dim=320, tokens=300, width=4, dtype=torch.bfloat16,
+                         channel_last=True, with_bias=True, with_seq_idx=False, with_init=False, with_final=False,
+                         activation="silu"):
+    """Compiles the causal_conv1d_fn kernel of one call (x channel-last as HF's mixer passes it,
+    or channel-first)."""
+    from ..serving_validation import check_conv_args
+    from .causal_conv1d import run_conv
+
+    x = torch.empty(batch, tokens, dim, dtype=dtype).transpose(1, 2) if channel_last else \
+        torch.empty(batch, dim, tokens, dtype=dtype)
+    args = check_conv_args(
+        x, torch.empty(dim, width, dtype=dtype), torch.empty(dim, dtype=dtype) if with_bias else None,
+        torch.zeros(batch, tokens, dtype=torch.int32) if with_seq_idx else None,
+        torch.empty(batch, dim, width - 1, dtype=dtype) if with_init else None, with_final, None, activation,
+        backend="pytorch")
+    with recording_launches() as launches:
+        run_conv(args)
+    return _export(launches, target)
+
+
+def compile_conv_update_kernels(target="sm_90", *, batch=4, slots=6, dim=320, tokens=1, width=4, state_len=None,
+                                dtype=torch.bfloat16, with_bias=True, circular=False, with_indices=True,
+                                activation="silu"):
+    """Compiles the causal_conv1d_update kernel of one call (by default a decode step: one token,
+    state_len width - 1, continuous batching indices)."""
+    from ..serving_validation import check_conv_update_args
+    from .causal_conv1d_update import run_conv_update
+
+    state_len = width - 1 if state_len is None else state_len
+    args = check_conv_update_args(
+        torch.empty(batch, dim, tokens, dtype=dtype),
+        torch.empty(slots if with_indices else batch, dim, state_len, dtype=dtype),
+        torch.empty(dim, width, dtype=dtype), torch.empty(dim, dtype=dtype) if with_bias else None, activation,
+        torch.zeros(batch, dtype=torch.int32) if circular else None,
+        torch.zeros(batch, dtype=torch.int32) if with_indices else None, backend="pytorch")
+    with recording_launches() as launches:
+        run_conv_update(args)
+    return _export(launches, target)
