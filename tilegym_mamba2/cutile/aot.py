@@ -167,3 +167,12 @@ def compile_conv_update_kernels(target="sm_90", *, batch=4, slots=6, dim=320, to
     with recording_launches() as launches:
         run_conv_update(args)
     return _export(launches, target)
+
+
+def compile_serving_kernels(target="sm_90"):
+    """The serving ops' kernels as a Mamba-2 model calls them: selective_state_update and
+    causal_conv1d_update of a decode step (HF's expanded per-head dt, A, D, dt_bias; continuous
+    batching indices), causal_conv1d_fn of a prefill (channel-last, silu) and with packed
+    sequences. -> [(kernel name, cubin size in bytes, seconds)]."""
+    return (compile_state_update_kernels(target) + compile_conv_update_kernels(target)
+            + compile_conv_kernels(target) + compile_conv_kernels(target, with_seq_idx=True))
