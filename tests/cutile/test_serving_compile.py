@@ -52,6 +52,7 @@ STATE_UPDATE_VARIANTS = {
     "groups_and_odd_sizes": dict(heads=12, groups=4, head_size=50, state_size=100),
     "large_state": dict(state_size=256, head_size=32),
     "many_rows": dict(batch=256, slots=300, heads=80),                      # the 4K-element tile
+    "int64_indices": dict(index_dtype=torch.int64),
 }
 
 
@@ -73,6 +74,7 @@ CONV_VARIANTS = {
     "width2_fp32": dict(width=2, dtype=torch.float32, with_final=True),
     "width3_fp16_short": dict(width=3, dtype=torch.float16, tokens=5, with_init=True, with_final=True),
     "mamba2_2.7b_dim": dict(dim=5376, tokens=64, batch=1),
+    "int64_seq_idx": dict(with_seq_idx=True, index_dtype=torch.int64),
 }
 
 
@@ -89,6 +91,8 @@ CONV_UPDATE_VARIANTS = {
     "width2_fp32": dict(width=2, dtype=torch.float32),
     "width3_fp16_circular_long_x": dict(width=3, dtype=torch.float16, tokens=5, state_len=2, circular=True),
     "mamba2_2.7b_dim": dict(dim=5376, batch=256, slots=300),
+    "hf_cache_state_len_width": dict(state_len=4),                         # HF keeps conv_kernel entries
+    "int64_indices_and_cache_seqlens": dict(circular=True, state_len=8, index_dtype=torch.int64),
 }
 
 

@@ -110,13 +110,14 @@ def test_state_update_without_heads():
     assert out.shape == (4, 96)
 
 
-def test_state_update_continuous_batching():
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_state_update_continuous_batching(index_dtype):
     """Rows use scattered state slots; padding rows (-1) give zeros and leave every other slot
     bit-identical."""
     seed = fresh_seed()
     batch, slots = 6, 11
     kw = state_update_inputs(batch, 16, 64, 128, 1, torch.bfloat16, torch.float32, seed, slots=slots)
-    indices = torch.tensor([7, -1, 0, 10, -1, 3], dtype=torch.int32, device="cuda")
+    indices = torch.tensor([7, -1, 0, 10, -1, 3], dtype=index_dtype, device="cuda")
     out, before = check_state_update(kw, seed, indices)
     assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
     used = {7, 0, 10, 3}
@@ -229,6 +230,7 @@ def check_conv_update(kw, seed, **options):
 CONV_UPDATE_CASES = [
     # batch, dim, tokens, width, state_len, dtype
     (1, 5376, 1, 4, 3, torch.bfloat16),          # Mamba2-2.7B decode
+    (4, 5376, 1, 4, 4, torch.bfloat16),          # HF's cache keeps conv_kernel (= width) entries
     (256, 5376, 1, 4, 3, torch.bfloat16),
     (4, 100, 1, 2, 1, torch.float16),
     (3, 64, 3, 4, 6, torch.float32),             # several tokens, longer state
@@ -247,11 +249,12 @@ def test_conv_update_matches_reference(batch, dim, tokens, width, state_len, dty
     check_conv_update(kw, seed, **options)
 
 
-def test_conv_update_two_dimensional_x_and_continuous_batching():
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_conv_update_two_dimensional_x_and_continuous_batching(index_dtype):
     seed = fresh_seed()
     kw = conv_update_inputs(5, 5376, 1, 4, 3, 9, torch.bfloat16, seed)
     kw["x"] = kw["x"][..., 0]
-    indices = torch.tensor([8, 0, -1, 4, 2], dtype=torch.int32, device="cuda")
+    indices = torch.tensor([8, 0, -1, 4, 2], dtype=index_dtype, device="cuda")
     out, before = check_conv_update(kw, seed, activation="silu", conv_state_indices=indices)
     assert out.shape == (5, 5376) and torch.all(out[2] == 0)
     for slot in range(9):
