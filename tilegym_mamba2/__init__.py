@@ -82,7 +82,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         B, C: [batch, groups, state_size], heads % groups == 0.
         D, dt_bias: [heads, head_size] or None;  z: like x or None;  dt_softplus: bool.
         state_batch_indices: [batch] int or None: row i updates state[state_batch_indices[i]];
-            a negative index is a padding row (out 0, no state written).
+            a negative index is a padding row (out 0, no state written). Indices must be below
+            state.shape[0] and distinct (not checked: that would read the device).
         backend: None (our cuTile kernel for CUDA tensors, "pytorch" for others) or a backend name.
 
     dt = softplus?(dt + dt_bias); state = exp(A dt) state + dt x B^T; out = state C + D x; out *= silu(z).
@@ -128,7 +129,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         weight: [dim, width], width 2..4;  bias: [dim] or None;  activation: None, "silu", "swish".
         cache_seqlens: [batch] int or None.
         conv_state_indices: [batch] int or None: row i uses conv_state[conv_state_indices[i]];
-            a negative index is a padding row (out 0, no state written).
+            a negative index is a padding row (out 0, no state written). Indices must be below
+            conv_state.shape[0] and distinct (not checked: that would read the device).
         backend: None (cuTile for CUDA tensors, "pytorch" for others) or a backend name.
 
     Returns out like x, in x's dtype.
