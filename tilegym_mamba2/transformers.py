@@ -44,9 +44,15 @@ KERNELS = {
 TRAINING_ONLY = "mamba_split_conv1d_scan_combined"
 
 # (model type, mixer class) of the transformers models whose mixer this patch runs unchanged,
-# each checked patched-vs-unpatched in tests/test_transformers.py.
+# each checked patched-vs-unpatched in tests/test_transformers.py. Not here: falcon_h1 (its
+# cuda_kernels_forward enters torch.cuda.device, so it cannot be checked on a CPU), jamba and
+# falcon_mamba (Mamba-1 mixers).
 MIXERS = (
     ("mamba2", "Mamba2Mixer"),
+    ("bamba", "BambaMixer"),
+    ("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+    ("nemotron_h", "NemotronHMamba2Mixer"),
+    ("zamba2", "Zamba2MambaMixer"),
 )
 
 _ORIGINAL = "_tilegym_mamba2_original"  # on our forward: the forward it replaced

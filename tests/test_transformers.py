@@ -1,0 +1,398 @@
+"""tilegym_mamba2.transformers: Hugging Face Mamba-2 models patched onto our functions, against
+the same models unpatched (transformers' torch path: neither mamba_ssm nor causal_conv1d is
+installed). Small random models built from configs; nothing is downloaded."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tilegym_mamba2  # noqa: E402
+from tilegym_mamba2.transformers import (  # noqa: E402
+    apply_tilegym_kernel_to_mamba2,
+    revert_tilegym_kernel_to_mamba2,
+)
+from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
+
+SERVING = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update")
+OURS = SERVING + ("mamba_chunk_scan_combined",)
+if not all(hasattr(tilegym_mamba2, name) for name in SERVING):
+    pytest.skip("needs tilegym_mamba2's serving API (causal_conv1d_fn, causal_conv1d_update, "
+                "selective_state_update)", allow_module_level=True)
+
+VOCAB = 128
+NEW_TOKENS = 12
+
+
+def tiny_config(**overrides):
+    kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, expand=2,
+              state_size=16, n_groups=2, chunk_size=16, conv_kernel=4, pad_token_id=0, eos_token_id=1,
+              bos_token_id=1)
+    kw.update(overrides)
+    return transformers.Mamba2Config(**kw)
+
+
+def tiny_mamba2(dtype=torch.float32, device="cpu", seed=0, **overrides):
+    torch.manual_seed(seed)
+    return transformers.Mamba2ForCausalLM(tiny_config(**overrides)).to(device=device, dtype=dtype).eval()
+
+
+def prompt(batch=2, tokens=37, device="cpu", seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (batch, tokens), generator=gen).to(device)
+
+
+def greedy(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **kw)
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+@pytest.fixture(autouse=True)
+def unpatched_classes():
+    """Every test starts and ends with transformers' mixer classes as shipped."""
+    revert_tilegym_kernel_to_mamba2()
+    yield
+    revert_tilegym_kernel_to_mamba2()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts calls of our four functions (and the backend each was asked for)."""
+    counts = {name: 0 for name in OURS}
+    backends = set()
+    for name in OURS:
+        real = getattr(tilegym_mamba2, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            backends.add(kwargs.get("backend"))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(tilegym_mamba2, name, spy)
+    yield type("Calls", (), {"counts": counts, "backends": backends})
+
+
+def expected_calls(layers, prompts=1, decode_steps=NEW_TOKENS - 1):
+    return {"causal_conv1d_fn": layers * prompts, "mamba_chunk_scan_combined": layers * prompts,
+            "causal_conv1d_update": layers * decode_steps, "selective_state_update": layers * decode_steps}
+
+
+def assert_logits_close(ours, ref, tol=1e-4):
+    err = (ours.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), f"max |ours - torch path| = {err}"
+
+
+def test_unpatched_model_takes_the_torch_path():
+    # What the comparisons below rely on: no mamba_ssm, so transformers' own forward is torch_forward.
+    from transformers.models.mamba2 import modeling_mamba2
+
+    tiny_mamba2()
+    assert not modeling_mamba2.is_fast_path_available
+
+
+def test_model_patch_matches_torch_path_prefill_and_decode(calls):
+    ref_model = tiny_mamba2()
+    model = copy.deepcopy(ref_model)
+    ids = prompt()
+    ref_logits, ref_tokens = logits(ref_model, ids), greedy(ref_model, ids)
+    assert all(n == 0 for n in calls.counts.values())
+
+    apply_tilegym_kernel_to_mamba2(model=model)
+    assert_logits_close(logits(model, ids), ref_logits)
+    assert calls.counts["mamba_chunk_scan_combined"] == 2 and calls.counts["selective_state_update"] == 0
+    calls.counts.update({name: 0 for name in OURS})
+
+    tokens = greedy(model, ids)
+    assert tokens.shape == (2, ids.shape[1] + NEW_TOKENS)
+    assert torch.equal(tokens, ref_tokens)
+    assert calls.counts == expected_calls(layers=2)
+    assert calls.backends == {None}  # cuTile for CUDA tensors, the pytorch backend here
+
+    # Only this model's mixers: a model built now is untouched.
+    other = tiny_mamba2()
+    assert other.backbone.layers[0].mixer.forward.__func__ is Mamba2Mixer.forward
+
+
+def test_decode_matches_torch_path_step_by_step(calls):
+    # Each decode step's logits, not only the argmax, against the torch path's, through the cache.
+    ref_model = tiny_mamba2(n_groups=1, seed=3)
+    model = copy.deepcopy(ref_model)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids = prompt(batch=3, tokens=21, seed=4)
+    with torch.no_grad():
+        ref = ref_model(ids, use_cache=True)
+        out = model(ids, use_cache=True)
+        assert_logits_close(out.logits, ref.logits)
+        for step in range(5):
+            token = ref.logits[:, -1].argmax(-1, keepdim=True)
+            position = torch.tensor([ids.shape[1] + step])
+            ref = ref_model(token, cache_params=ref.cache_params, use_cache=True, cache_position=position)
+            out = model(token, cache_params=out.cache_params, use_cache=True, cache_position=position)
+            assert_logits_close(out.logits, ref.logits)
+            torch.testing.assert_close(out.cache_params.ssm_states, ref.cache_params.ssm_states, rtol=1e-4,
+                                       atol=1e-5)
+            torch.testing.assert_close(out.cache_params.conv_states, ref.cache_params.conv_states)
+    assert calls.counts["selective_state_update"] == 5 * 2
+
+
+def test_left_padding_masked_as_torch_path(calls):
+    # A left-padded batch: transformers zeroes the padded positions' inputs in both paths.
+    ref_model = tiny_mamba2(seed=5)
+    model = copy.deepcopy(ref_model)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids = prompt(tokens=30, seed=6)
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    ids[0, :9] = 0
+    ref = logits(ref_model, ids, attention_mask=mask)
+    assert_logits_close(logits(model, ids, attention_mask=mask), ref)
+    # The mask matters: without it row 0 differs.
+    assert (logits(model, ids)[0, 9:] - ref[0, 9:]).abs().max() > 1e-3
+    assert torch.equal(greedy(model, ids, attention_mask=mask), greedy(ref_model, ids, attention_mask=mask))
+    assert calls.counts["selective_state_update"] > 0
+
+
+def test_class_patch_covers_models_built_before_and_after(calls):
+    before = tiny_mamba2(seed=7)
+    reference = copy.deepcopy(before)
+    ids = prompt(seed=8)
+    ref_logits, ref_tokens = logits(reference, ids), greedy(reference, ids)
+
+    apply_tilegym_kernel_to_mamba2()
+    after = transformers.Mamba2ForCausalLM(before.config).eval()
+    after.load_state_dict(before.state_dict())
+    for model in (before, after):
+        calls.counts.update({name: 0 for name in OURS})
+        assert_logits_close(logits(model, ids), ref_logits)
+        assert torch.equal(greedy(model, ids), ref_tokens)
+        assert calls.counts["causal_conv1d_fn"] == 2 + 2 and calls.counts["selective_state_update"] == 22
+
+    revert_tilegym_kernel_to_mamba2()
+    calls.counts.update({name: 0 for name in OURS})
+    assert torch.equal(greedy(after, ids), ref_tokens)
+    assert all(n == 0 for n in calls.counts.values())
+
+
+def test_patching_twice_does_not_stack(calls):
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2()
+    apply_tilegym_kernel_to_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    original = Mamba2Mixer.forward._tilegym_mamba2_original
+    assert original.__qualname__ == "Mamba2Mixer.forward" and not hasattr(original, "_tilegym_mamba2_original")
+    assert model.backbone.layers[0].mixer.forward.__func__._tilegym_mamba2_original is original
+    logits(model, prompt())
+    assert calls.counts["mamba_chunk_scan_combined"] == 2  # once per layer
+
+    revert_tilegym_kernel_to_mamba2(model=model)
+    assert "forward" not in model.backbone.layers[0].mixer.__dict__
+    revert_tilegym_kernel_to_mamba2()
+    assert Mamba2Mixer.forward is original
+
+
+def test_flags_choose_the_pieces(calls):
+    ref_model = tiny_mamba2(seed=9)
+    ids = prompt(seed=10)
+    ref_tokens = greedy(ref_model, ids)
+    for conv1d, ssm in ((False, True), (True, False)):
+        model = copy.deepcopy(ref_model)
+        apply_tilegym_kernel_to_mamba2(conv1d=conv1d, ssm=ssm, model=model)
+        calls.counts.update({name: 0 for name in OURS})
+        calls.backends.clear()
+        # A piece left to transformers finds nothing installed and runs our pytorch backend.
+        assert torch.equal(greedy(model, ids), ref_tokens)
+        want = expected_calls(layers=2)
+        assert calls.counts == want
+        assert calls.backends == {None, "pytorch"}
+
+
+def test_use_cutile_asks_for_the_cutile_backend(monkeypatch):
+    class Reached(Exception):
+        pass
+
+    seen = []
+
+    def record(*args, backend="absent", **kwargs):
+        seen.append(backend)
+        raise Reached
+
+    for name in OURS:
+        monkeypatch.setattr(tilegym_mamba2, name, record)
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model, use_cutile=True)
+    with pytest.raises(Reached):
+        logits(model, prompt())
+    assert seen == ["cutile"]
+
+
+def test_training_and_autograd_keep_transformers_forward(calls):
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids = prompt()
+    model.train()
+    with torch.no_grad():
+        model(ids)
+    model.eval()
+    out = model(ids).logits  # autograd on: our kernels are forward-only
+    out.sum().backward()
+    assert model.backbone.layers[0].mixer.in_proj.weight.grad is not None
+    assert all(n == 0 for n in calls.counts.values())
+    logits(model, ids)
+    assert calls.counts["mamba_chunk_scan_combined"] == 2
+
+
+def test_model_without_a_mixer_is_refused():
+    with pytest.raises(ValueError, match="model: Linear has no Mamba-2 mixer"):
+        apply_tilegym_kernel_to_mamba2(model=torch.nn.Linear(2, 2))
+
+
+def test_unexpected_mixer_structure_names_the_version(monkeypatch):
+    monkeypatch.delattr(Mamba2Mixer, "cuda_kernels_forward")
+    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}.*cuda_kernels_forward"):
+        apply_tilegym_kernel_to_mamba2()
+    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}"):
+        apply_tilegym_kernel_to_mamba2(model=tiny_mamba2())
+
+
+def test_changed_forward_signature_is_refused(monkeypatch):
+    def forward(self, hidden_states, cache_params=None, attention_mask=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(Mamba2Mixer, "forward", forward)
+    with pytest.raises(RuntimeError, match="Mamba2Mixer.forward takes"):
+        apply_tilegym_kernel_to_mamba2()
+
+
+# Other transformers models whose mixers have Mamba2Mixer's structure (hybrids with attention
+# layers); tiny configs with two Mamba layers each.
+HYBRIDS = {
+    "bamba": lambda: transformers.BambaConfig(
+        num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+        mamba_d_state=16, mamba_chunk_size=16, **HYBRID_COMMON),
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+        mamba_d_state=16, mamba_chunk_size=16, **HYBRID_COMMON),
+    "nemotron_h": lambda: transformers.NemotronHConfig(
+        num_hidden_layers=3, layers_block_type=["mamba", "attention", "mamba"], head_dim=16, ssm_state_size=16,
+        mamba_num_heads=4, mamba_n_groups=2, mamba_head_dim=16, mamba_chunk_size=16, **HYBRID_COMMON),
+    "zamba2": lambda: transformers.Zamba2Config(
+        num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
+        mamba_ngroups=2, chunk_size=16, num_mem_blocks=1, adapter_rank=8, use_mem_rope=True, **HYBRID_COMMON),
+}
+HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_hybrid_models_match_their_torch_path(model_type, calls):
+    torch.manual_seed(11)
+    ref_model = transformers.AutoModelForCausalLM.from_config(HYBRIDS[model_type]()).eval()
+    model = copy.deepcopy(ref_model)
+    ids = prompt(seed=12)
+    ref_logits, ref_tokens = logits(ref_model, ids), greedy(ref_model, ids)
+    assert all(n == 0 for n in calls.counts.values())
+
+    apply_tilegym_kernel_to_mamba2(model=model)
+    assert_logits_close(logits(model, ids), ref_logits)
+    calls.counts.update({name: 0 for name in OURS})
+    assert torch.equal(greedy(model, ids), ref_tokens)
+    assert calls.counts == expected_calls(layers=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 on CUDA, our cuTile kernels against transformers' torch path.
+
+def gpu_pair(seed):
+    ref_model = tiny_mamba2(dtype=torch.bfloat16, device="cuda", seed=seed, hidden_size=256, num_heads=8,
+                            head_dim=64, state_size=64, n_groups=1, chunk_size=64, initializer_range=0.1)
+    model = copy.deepcopy(ref_model)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    fp32_model = copy.deepcopy(ref_model).float()
+    return ref_model, model, fp32_model
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_logits_and_greedy_tokens(calls):
+    ref_model, model, fp32_model = gpu_pair(seed=13)
+    ids = prompt(batch=2, tokens=200, device="cuda", seed=14)
+    exact = logits(fp32_model, ids)
+    ours, torch_path = logits(model, ids), logits(ref_model, ids)
+    err_ours = (ours.float() - exact).abs().max().item()
+    err_torch = (torch_path.float() - exact).abs().max().item()
+    scale = exact.abs().max().item()
+    # bf16 everywhere: ours no further from the fp32 model than transformers' own bf16 path, give or take.
+    assert err_ours <= 2 * err_torch + 1e-2 * scale, (err_ours, err_torch, scale)
+    assert (ours.float() - torch_path.float()).abs().max().item() <= 5e-2 * scale
+    assert calls.backends == {None} and calls.counts["mamba_chunk_scan_combined"] == 2
+
+    # Greedy tokens: identical where the fp32 model's choice is not a near-tie.
+    ref_tokens = greedy(ref_model, ids)
+    with torch.no_grad():
+        steps = fp32_model(ref_tokens).logits[:, ids.shape[1] - 1:-1].float()
+    top2 = steps.topk(2, dim=-1).values
+    margin = (top2[..., 0] - top2[..., 1]).min().item()
+    assert margin > 0.05 * scale, f"pick another seed: the reference's greedy choices nearly tie ({margin})"
+    calls.counts.update({name: 0 for name in OURS})
+    assert torch.equal(greedy(model, ids), ref_tokens)
+    assert calls.counts == expected_calls(layers=2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_in_a_cuda_graph():
+    """A whole decode step of the patched model captured in a CUDA graph and replayed against
+    the same steps run eagerly. cache_position stays on the host: transformers compares it with
+    0 in Python, which would otherwise read the GPU during capture."""
+    _, model, _ = gpu_pair(seed=15)
+    ids = prompt(batch=2, tokens=100, device="cuda", seed=16)
+    with torch.no_grad():
+        prefill = model(ids, use_cache=True)
+    cache = prefill.cache_params
+    start = (cache.conv_states.clone(), cache.ssm_states.clone())
+    first = prefill.logits[:, -1].argmax(-1, keepdim=True)
+
+    def step(token, position):
+        return model(token, cache_params=cache, use_cache=True, cache_position=position).logits
+
+    eager, token = [], first
+    with torch.no_grad():
+        for k in range(4):
+            out = step(token, torch.tensor([ids.shape[1] + k]))
+            eager.append(out.clone())
+            token = out[:, -1].argmax(-1, keepdim=True)
+
+    def restore():
+        cache.conv_states.copy_(start[0])
+        cache.ssm_states.copy_(start[1])
+
+    static_token = first.clone()
+    position = torch.tensor([ids.shape[1]])  # any value > 0: the decode branch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):  # warm-up: compiles and tunes outside the capture
+            restore()
+            step(static_token, position)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    restore()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_logits = step(static_token, position)
+    restore()
+
+    token = first
+    for k in range(4):
+        static_token.copy_(token)
+        graph.replay()
+        torch.cuda.synchronize()
+        # The same kernels on the same data: equal up to reduction order in cuBLAS.
+        torch.testing.assert_close(static_logits, eager[k], rtol=1e-3, atol=1e-3 * eager[k].abs().max().item())
+        token = static_logits[:, -1].argmax(-1, keepdim=True)
+        assert torch.equal(token, eager[k][:, -1].argmax(-1, keepdim=True))
