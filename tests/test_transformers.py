@@ -319,30 +319,56 @@ def gpu_pair(seed):
     return ref_model, model, fp32_model
 
 
+def decode_logits(model, ids, tokens):
+    """Prefill on ids, then one decode step per given token (teacher forcing); logits of each."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        steps = [out.logits[:, -1].float()]
+        for k in range(tokens.shape[1]):
+            out = model(tokens[:, k:k + 1], cache_params=out.cache_params, use_cache=True,
+                        cache_position=torch.tensor([ids.shape[1] + k]))
+            steps.append(out.logits[:, -1].float())
+    return torch.stack(steps, 1)
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_logits_and_greedy_tokens(calls):
     ref_model, model, fp32_model = gpu_pair(seed=13)
     ids = prompt(batch=2, tokens=200, device="cuda", seed=14)
     exact = logits(fp32_model, ids)
     ours, torch_path = logits(model, ids), logits(ref_model, ids)
-    err_ours = (ours.float() - exact).abs().max().item()
-    err_torch = (torch_path.float() - exact).abs().max().item()
     scale = exact.abs().max().item()
     # bf16 everywhere: ours no further from the fp32 model than transformers' own bf16 path, give or take.
+    err_ours = (ours.float() - exact).abs().max().item()
+    err_torch = (torch_path.float() - exact).abs().max().item()
     assert err_ours <= 2 * err_torch + 1e-2 * scale, (err_ours, err_torch, scale)
     assert (ours.float() - torch_path.float()).abs().max().item() <= 5e-2 * scale
     assert calls.backends == {None} and calls.counts["mamba_chunk_scan_combined"] == 2
 
-    # Greedy tokens: identical where the fp32 model's choice is not a near-tie.
+    # Decode, teacher-forced on the torch path's greedy tokens: the same bound at every step.
     ref_tokens = greedy(ref_model, ids)
-    with torch.no_grad():
-        steps = fp32_model(ref_tokens).logits[:, ids.shape[1] - 1:-1].float()
-    top2 = steps.topk(2, dim=-1).values
-    margin = (top2[..., 0] - top2[..., 1]).min().item()
-    assert margin > 0.05 * scale, f"pick another seed: the reference's greedy choices nearly tie ({margin})"
+    forced = ref_tokens[:, ids.shape[1]:-1]
     calls.counts.update({name: 0 for name in OURS})
-    assert torch.equal(greedy(model, ids), ref_tokens)
+    ours_steps = decode_logits(model, ids, forced)
+    assert calls.counts["selective_state_update"] == 2 * forced.shape[1]
+    torch_steps, exact_steps = decode_logits(ref_model, ids, forced), decode_logits(fp32_model, ids, forced)
+    err_ours = (ours_steps - exact_steps).abs().amax(dim=(0, 2))
+    err_torch = (torch_steps - exact_steps).abs().amax(dim=(0, 2))
+    assert torch.all(err_ours <= 2 * err_torch + 1e-2 * scale), (err_ours, err_torch)
+
+    # Greedy generation: the same tokens, unless the two bf16 paths part at a near-tie of the
+    # fp32 model (random tiny models have top-2 gaps near bf16's error).
+    calls.counts.update({name: 0 for name in OURS})
+    tokens = greedy(model, ids)
     assert calls.counts == expected_calls(layers=2)
+    new, ref_new = tokens[:, ids.shape[1]:], ref_tokens[:, ids.shape[1]:]
+    if not torch.equal(new, ref_new):
+        first = int((new != ref_new).any(0).nonzero()[0])
+        rows = new[:, first] != ref_new[:, first]
+        top2 = exact_steps[rows, first].topk(2, dim=-1).values
+        gap = (top2[:, 0] - top2[:, 1]).max().item()
+        band = 2 * (err_ours[first] + err_torch[first]).item()
+        assert gap <= band, f"greedy tokens part at step {first} where the fp32 model's top-2 gap is {gap} > {band}"
 
 
 @pytest.mark.gpu
