@@ -65,6 +65,80 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         return_final_states, return_varlen_states)
 
 
+def _serving_backend(op, backend, x):
+    if backend is None:
+        return preferred_backend(op) if getattr(x, "is_cuda", False) else "pytorch"
+    return backend
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None, *, backend=None):
+    """Drop-in for mamba_ssm's ``selective_state_update``: one decode step, ``state`` updated in place.
+
+    Args (mamba_ssm's names; the forms without heads drop the heads dimension, as in mamba_ssm):
+        state: [slots, heads, head_size, state_size] (or [slots, dim, state_size]); fp32 typical.
+        x: [batch, heads, head_size];  dt: like x, raw (may be expanded with stride 0 along head_size).
+        A: [heads, head_size, state_size] (may be expanded with stride 0 from [heads]).
+        B, C: [batch, groups, state_size], heads % groups == 0.
+        D, dt_bias: [heads, head_size] or None;  z: like x or None;  dt_softplus: bool.
+        state_batch_indices: [batch] int or None: row i updates state[state_batch_indices[i]];
+            a negative index is a padding row (out 0, no state written).
+        backend: None (our cuTile kernel for CUDA tensors, "pytorch" for others) or a backend name.
+
+    dt = softplus?(dt + dt_bias); state = exp(A dt) state + dt x B^T; out = state C + D x; out *= silu(z).
+    Returns out like x, in x's dtype.
+    """
+    op = "selective_state_update"
+    return implementation(op, _serving_backend(op, backend, x))(
+        state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None, *, backend=None):
+    """Drop-in for causal_conv1d's ``causal_conv1d_fn`` (forward): depthwise causal convolution.
+
+    Args:
+        x: [batch, dim, seqlen], any strides (channel-last, x.stride(1) == 1, as HF's Mamba-2 passes it).
+        weight: [dim, width], width 2, 3 or 4;  bias: [dim] or None.
+        seq_idx: [batch, seqlen] int or None: packed sequences; no input crosses a boundary, and
+            tokens with a negative id are padding (out 0). Excludes initial_states and final states.
+        initial_states: [batch, dim, width - 1] or None (zeros): the inputs before the first token.
+        return_final_states: also return the last width - 1 inputs [batch, dim, width - 1],
+            written into final_states_out when given.
+        activation: None, "silu" or "swish".
+        backend: None (cuTile for CUDA tensors, "pytorch" for others) or a backend name.
+
+    out[t] = act(bias + sum_w weight[:, w] x[t - (width - 1) + w]). Returns out like x (x's dtype),
+    then the final states if asked.
+    """
+    op = "causal_conv1d_fn"
+    return implementation(op, _serving_backend(op, backend, x))(
+        x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                         conv_state_indices=None, *, backend=None):
+    """Drop-in for causal_conv1d's ``causal_conv1d_update``: the convolution's decode step.
+
+    Args:
+        x: [batch, dim] or [batch, dim, seqlen].
+        conv_state: [slots, dim, state_len], state_len >= width - 1, updated in place: it becomes
+            the last state_len entries of (conv_state, x); with cache_seqlens it is a circular
+            buffer and x is written from position cache_seqlens % state_len on.
+        weight: [dim, width], width 2..4;  bias: [dim] or None;  activation: None, "silu", "swish".
+        cache_seqlens: [batch] int or None.
+        conv_state_indices: [batch] int or None: row i uses conv_state[conv_state_indices[i]];
+            a negative index is a padding row (out 0, no state written).
+        backend: None (cuTile for CUDA tensors, "pytorch" for others) or a backend name.
+
+    Returns out like x, in x's dtype.
+    """
+    op = "causal_conv1d_update"
+    return implementation(op, _serving_backend(op, backend, x))(
+        x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+
+
 install()
 
-__all__ = ["Mamba2ProblemSpec", "mamba2_chunk_forward", "mamba_chunk_scan_combined", "__version__"]
+__all__ = ["Mamba2ProblemSpec", "mamba2_chunk_forward", "mamba_chunk_scan_combined", "selective_state_update",
+           "causal_conv1d_fn", "causal_conv1d_update", "__version__"]

@@ -89,3 +89,41 @@ def kernel_signature(kernel, args) -> KernelSignature:
             constraints.append(arg)  # a ct.Constant parameter: its value
     return KernelSignature(constraints, CallingConvention.cutile_python_v1()).with_mangled_symbol(
         kernel._pyfunc.__name__)
+
+
+def compile_state_update_kernels(target="sm_90", *, batch=4, slots=6, heads=8, head_size=64, state_size=128,
+                                 groups=1, dtype=torch.bfloat16, state_dtype=torch.float32, tied=True,
+                                 with_d=True, with_z=True, with_bias=True, softplus=True, with_indices=True,
+                                 without_heads=False):
+    """Compiles the selective_state_update kernel of one call: ``tied`` passes dt, A, D and dt_bias
+    expanded from per-head values (HF's Mamba-2 call), otherwise one value per channel (A per
+    element); ``without_heads`` is mamba_ssm's 3-D form."""
+    from ..serving_validation import check_state_update_args
+    from .selective_state_update import run_state_update
+
+    def empty(*shape, dt=torch.float32):
+        return torch.empty(*shape, dtype=dt)
+
+    if without_heads:
+        heads, groups = 1, 1
+    if tied:
+        dt = empty(batch, heads, 1, dt=dtype).expand(batch, heads, head_size)
+        A = empty(heads, 1, 1).expand(heads, head_size, state_size)
+        D, dt_bias = empty(heads, 1).expand(heads, head_size), empty(heads, 1).expand(heads, head_size)
+    else:
+        dt, A = empty(batch, heads, head_size, dt=dtype), empty(heads, head_size, state_size)
+        D, dt_bias = empty(heads, head_size), empty(heads, head_size)
+    kw = dict(state=empty(slots if with_indices else batch, heads, head_size, state_size, dt=state_dtype),
+              x=empty(batch, heads, head_size, dt=dtype), dt=dt, A=A, B=empty(batch, groups, state_size, dt=dtype),
+              C=empty(batch, groups, state_size, dt=dtype), D=D if with_d else None,
+              z=empty(batch, heads, head_size, dt=dtype) if with_z else None, dt_bias=dt_bias if with_bias else None,
+              dt_softplus=softplus,
+              state_batch_indices=torch.zeros(batch, dtype=torch.int32) if with_indices else None)
+    if without_heads:
+        kw = {k: (v.squeeze(1) if k in ("state", "x", "dt", "z", "B", "C") else v.squeeze(0) if k in (
+            "A", "D", "dt_bias") else v) if isinstance(v, torch.Tensor) and k != "state_batch_indices" else v
+            for k, v in kw.items()}
+    args = check_state_update_args(**kw, backend="pytorch")
+    with recording_launches() as launches:
+        run_state_update(args)
+    return _export(launches, target)

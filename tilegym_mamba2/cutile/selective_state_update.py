@@ -1,0 +1,161 @@
+"""One decode step of the selective state space recurrence (mamba_ssm's selective_state_update).
+
+    dt = softplus?(dt + dt_bias)
+    state = exp(A dt) state + dt x B^T      (in place)
+    out = state C + D x,  out *= silu(z)
+
+Memory bound: each block reads and writes one [head_tile, state_size] tile of one head's state
+once, in one pass, and reads a few vectors. Mamba-2 passes dt, dt_bias, A and D expanded from
+per-head values with stride 0 (HF's mixer does); those are recognised by their strides and read
+as one scalar per head, so no per-channel or per-element copy of them is read. Whatever is not
+expanded is read per channel, and A per element when it has one value per element (Mamba-1).
+
+With state_batch_indices, batch row i updates state[state_batch_indices[i]]; a negative index is
+a padding row: its output is zeros and its block reads and writes no state.
+"""
+import cuda.tile as ct
+import torch
+
+from ..serving_validation import check_state_update_args
+from .chunk_cumsum import SOFTPLUS_THRESHOLD, _log1p
+from .launch import launch, new_output
+
+# How dt (with dt_bias), A and D vary inside one head.
+PER_HEAD, PER_CHANNEL, PER_ELEMENT = 0, 1, 2
+
+
+@ct.kernel
+def selective_state_update_kernel(state, x, dt, dt_bias, A, B, C, D, z, indices, out,
+                                  head_tile: ct.Constant[int], state_tile: ct.Constant[int],
+                                  dt_mode: ct.Constant[int], a_mode: ct.Constant[int], d_mode: ct.Constant[int],
+                                  has_bias: ct.Constant[bool], has_d: ct.Constant[bool], has_z: ct.Constant[bool],
+                                  softplus: ct.Constant[bool], has_indices: ct.Constant[bool]):
+    row, head, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    if has_indices:
+        slot = ct.gather(indices, row)
+        if slot >= 0:
+            _update(state, x, dt, dt_bias, A, B, C, D, z, out, row, slot, head, p_tile, head_tile, state_tile,
+                    dt_mode, a_mode, d_mode, has_bias, has_d, has_z, softplus)
+        else:
+            ct.store(out, (row, head, p_tile), ct.zeros((1, 1, head_tile), dtype=out.dtype))
+    else:
+        _update(state, x, dt, dt_bias, A, B, C, D, z, out, row, row, head, p_tile, head_tile, state_tile,
+                dt_mode, a_mode, d_mode, has_bias, has_d, has_z, softplus)
+
+
+@ct.function
+def _update(state, x, dt, dt_bias, A, B, C, D, z, out, row, slot, head, p_tile, head_tile, state_tile,
+            dt_mode, a_mode, d_mode, has_bias, has_d, has_z, softplus):
+    zero = ct.PaddingMode.ZERO
+    group = head // (x.shape[1] // B.shape[1])
+    h = ct.load(state, (slot, head, p_tile, 0), (1, 1, head_tile, state_tile), padding_mode=zero)
+    h = h.reshape((head_tile, state_tile)).astype(ct.float32)
+    x_col = ct.load(x, (row, head, p_tile), (1, 1, head_tile), padding_mode=zero).reshape(
+        (head_tile, 1)).astype(ct.float32)
+
+    # dt: [1, 1] for the head or [head_tile, 1] per channel.
+    if dt_mode == PER_HEAD:
+        step = ct.load(dt, (row, head), (1, 1)).astype(ct.float32)
+        if has_bias:
+            step = step + ct.load(dt_bias, (head,), (1,)).reshape((1, 1)).astype(ct.float32)
+    else:
+        step = ct.load(dt, (row, head, p_tile), (1, 1, head_tile), padding_mode=zero).reshape(
+            (head_tile, 1)).astype(ct.float32)
+        if has_bias:
+            step = step + ct.load(dt_bias, (head, p_tile), (1, head_tile), padding_mode=zero).reshape(
+                (head_tile, 1)).astype(ct.float32)
+    if softplus:
+        step = ct.where(step > SOFTPLUS_THRESHOLD, step, _log1p(ct.exp(step)))
+
+    if a_mode == PER_HEAD:
+        a = ct.load(A, (head,), (1,)).reshape((1, 1)).astype(ct.float32)
+    elif a_mode == PER_CHANNEL:
+        a = ct.load(A, (head, p_tile), (1, head_tile), padding_mode=zero).reshape((head_tile, 1)).astype(ct.float32)
+    else:
+        a = ct.load(A, (head, p_tile, 0), (1, head_tile, state_tile), padding_mode=zero).reshape(
+            (head_tile, state_tile)).astype(ct.float32)
+    b = ct.load(B, (row, group, 0), (1, 1, state_tile), padding_mode=zero).reshape((1, state_tile)).astype(ct.float32)
+    c = ct.load(C, (row, group, 0), (1, 1, state_tile), padding_mode=zero).reshape((1, state_tile)).astype(ct.float32)
+
+    h = ct.exp(a * step) * h + (step * x_col) * b
+    ct.store(state, (slot, head, p_tile, 0), h.astype(state.dtype).reshape((1, 1, head_tile, state_tile)))
+
+    y = ct.sum(h * c, axis=1, keepdims=True)                     # [head_tile, 1]
+    if has_d:
+        if d_mode == PER_HEAD:
+            skip = ct.load(D, (head,), (1,)).reshape((1, 1)).astype(ct.float32)
+        else:
+            skip = ct.load(D, (head, p_tile), (1, head_tile), padding_mode=zero).reshape(
+                (head_tile, 1)).astype(ct.float32)
+        y = y + skip * x_col
+    if has_z:
+        gate = ct.load(z, (row, head, p_tile), (1, 1, head_tile), padding_mode=zero).reshape(
+            (head_tile, 1)).astype(ct.float32)
+        y = y * gate / (1.0 + ct.exp(-gate))
+    ct.store(out, (row, head, p_tile), y.reshape((1, 1, head_tile)).astype(out.dtype))
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None):
+    """mamba_ssm's selective_state_update on CUDA tensors: updates ``state`` in place and returns
+    out like x (x's dtype). Shapes: see tilegym_mamba2.selective_state_update."""
+    args = check_state_update_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+                                   backend="cutile")
+    out = run_state_update(args)
+    return out if args.has_heads else out.squeeze(1)
+
+
+def run_state_update(args):
+    """Checked arguments (per-head form) -> out [batch, heads, head_size]; the one launch."""
+    state, x, dt, A, B, C, D, z, dt_bias, softplus, indices, _ = args
+    batch, heads, head_size = x.shape
+    state_size = state.shape[3]
+    dt_mode = PER_HEAD if _constant_over(dt, 2) and (dt_bias is None or _constant_over(dt_bias, 1)) else PER_CHANNEL
+    if dt_mode == PER_HEAD:
+        dt, dt_bias = dt[:, :, 0], None if dt_bias is None else dt_bias[:, 0]
+    a_mode = (PER_HEAD if _constant_over(A, 1) and _constant_over(A, 2)
+              else PER_CHANNEL if _constant_over(A, 2) else PER_ELEMENT)
+    A = A[:, 0, 0] if a_mode == PER_HEAD else A[:, :, 0] if a_mode == PER_CHANNEL else A
+    d_mode = PER_HEAD if D is not None and _constant_over(D, 1) else PER_CHANNEL
+    if D is not None and d_mode == PER_HEAD:
+        D = D[:, 0]
+    # What is still expanded (a zero stride along a dimension read per element) is made dense.
+    dt, dt_bias, A, D = (_dense(t) for t in (dt, dt_bias, A, D))
+    x, z, B, C = (_dense(t) for t in (x, z, B, C))
+    if indices is not None:
+        indices = indices.contiguous()
+
+    out = new_output(batch, heads, head_size, dtype=x.dtype, device=x.device)
+    head_tile, state_tile = tiles_for(batch, heads, head_size, state_size)
+    grid = (batch, heads, -(-head_size // head_tile))
+    unused = x  # stands in for absent optional arrays; never read
+    launch(grid, selective_state_update_kernel,
+           (state, x, dt, unused if dt_bias is None else dt_bias, A, B, C, unused if D is None else D,
+            unused if z is None else z, unused if indices is None else indices, out,
+            head_tile, state_tile, dt_mode, a_mode, d_mode,
+            dt_bias is not None, D is not None, z is not None, bool(softplus), indices is not None))
+    return out
+
+
+def tiles_for(batch, heads, head_size, state_size):
+    """-> (head_tile, state_tile): the whole state row (state_size padded to a power of two) and
+    enough rows for ~4K elements per block (16 KiB of fp32 state), fewer when there are too few
+    blocks to fill the GPU (batch 1 decode)."""
+    state_tile = _pow2(state_size)
+    target = 4096 if batch * heads >= 512 else 2048
+    head_tile = max(1, min(_pow2(head_size), target // state_tile))
+    return head_tile, state_tile
+
+
+def _pow2(n):
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _constant_over(t, dim):
+    return t.shape[dim] == 1 or t.stride(dim) == 0
+
+
+def _dense(t):
+    if t is None or all(s != 0 or n == 1 for s, n in zip(t.stride(), t.shape)):
+        return t
+    return t.contiguous()

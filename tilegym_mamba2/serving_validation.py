@@ -1,0 +1,270 @@
+"""Argument checks of the serving (decode-step) ops, shared by every backend.
+
+selective_state_update is mamba_ssm's; causal_conv1d_fn and causal_conv1d_update are
+causal_conv1d's. Errors name the argument and say what was expected. Nothing here reads a
+tensor's values (no device synchronisation, so a decode step can be captured in a CUDA graph),
+and nothing is written: a caller's state is untouched when a check fails.
+
+The checks return views (never copies) in one normal form, so each backend sees one layout.
+"""
+from typing import NamedTuple
+
+import torch
+
+from .validation import _capability, _expect_float, _expect_shape, _expect_tensor
+
+CUTILE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PYTORCH_DTYPES = CUTILE_DTYPES + (torch.float64,)
+INDEX_DTYPES = (torch.int32, torch.int64)
+CONV_WIDTHS = (2, 3, 4)
+ACTIVATIONS = (None, "silu", "swish")
+# The cutile kernel keeps a [head_size rows, state_size] tile in registers.
+CUTILE_MAX_STATE_SIZE = 256
+
+
+class StateUpdateArgs(NamedTuple):
+    """selective_state_update's arguments in the per-head form (views of the caller's tensors)."""
+    state: torch.Tensor                 # [slots, heads, head_size, state_size]
+    x: torch.Tensor                     # [batch, heads, head_size]
+    dt: torch.Tensor                    # [batch, heads, head_size]
+    A: torch.Tensor                     # [heads, head_size, state_size]
+    B: torch.Tensor                     # [batch, groups, state_size]
+    C: torch.Tensor                     # [batch, groups, state_size]
+    D: torch.Tensor | None              # [heads, head_size]
+    z: torch.Tensor | None              # [batch, heads, head_size]
+    dt_bias: torch.Tensor | None        # [heads, head_size]
+    dt_softplus: bool
+    state_batch_indices: torch.Tensor | None  # [batch] int
+    has_heads: bool                     # False: the caller used the 3-D form; squeeze the output
+
+
+def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                            state_batch_indices=None, *, backend: str) -> StateUpdateArgs:
+    """mamba_ssm's selective_state_update contract. Every tensor may be in the per-head form
+    (state [slots, heads, head_size, state_size], ...) or the form without heads (state
+    [slots, dim, state_size], x [batch, dim], A [dim, state_size], B, C [batch, state_size],
+    D, dt_bias [dim]), each argument on its own, as mamba_ssm accepts them."""
+    dtypes = CUTILE_DTYPES if backend == "cutile" else PYTORCH_DTYPES
+    named = {"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias}
+    for name, t in named.items():
+        if t is not None:
+            _expect_tensor(name, t)
+            _expect_dtype(name, t, dtypes, backend)
+    if state.ndim not in (3, 4):
+        raise ValueError(f"state must be [slots, heads, head_size, state_size] or [slots, dim, state_size], "
+                         f"got shape {tuple(state.shape)}")
+    has_heads = state.ndim == 4
+    # Lift each argument of the form without heads to the per-head form, one head.
+    state = _lift(state, 3, 1)
+    x, dt, z = (_lift(t, 2, 1) for t in (x, dt, z))
+    A = _lift(A, 2, 0)
+    B, C = _lift(B, 2, 1), _lift(C, 2, 1)
+    D, dt_bias = _lift(D, 1, 0), _lift(dt_bias, 1, 0)
+
+    slots, heads, head_size, state_size = state.shape
+    if x.ndim != 3:
+        raise ValueError(f"x must be [batch, heads, head_size] or [batch, dim], got shape {tuple(x.shape)}")
+    batch = x.shape[0]
+    _expect_shape("x", x, (batch, heads, head_size), "[batch, heads, head_size] with state's heads and head_size")
+    if min(batch, heads, head_size, state_size) < 1:
+        raise ValueError(f"state and x must have no empty dimension, got state {tuple(state.shape)}, "
+                         f"x {tuple(x.shape)}")
+    _expect_shape("dt", dt, x.shape, "[batch, heads, head_size], the shape of x")
+    _expect_shape("A", A, (heads, head_size, state_size), "[heads, head_size, state_size]")
+    if B.ndim != 3:
+        raise ValueError(f"B must be [batch, groups, state_size] or [batch, state_size], got shape {tuple(B.shape)}")
+    groups = B.shape[1]
+    _expect_shape("B", B, (batch, groups, state_size), "[batch, groups, state_size]")
+    if groups < 1 or heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups}), the second dimension of B")
+    _expect_shape("C", C, B.shape, "[batch, groups, state_size], the shape of B")
+    if D is not None:
+        _expect_shape("D", D, (heads, head_size), "[heads, head_size]")
+    if z is not None:
+        _expect_shape("z", z, x.shape, "[batch, heads, head_size], the shape of x")
+    if dt_bias is not None:
+        _expect_shape("dt_bias", dt_bias, (heads, head_size), "[heads, head_size]")
+    _expect_bool("dt_softplus", dt_softplus)
+    _expect_no_overlap("state", state)
+    if state_batch_indices is None:
+        if slots != batch:
+            raise ValueError(f"state must have x's batch ({batch}) as its first dimension without "
+                             f"state_batch_indices, got {slots}")
+    else:
+        _expect_indices("state_batch_indices", state_batch_indices, batch)
+    _check_devices({**named, "state_batch_indices": state_batch_indices}, backend)
+    if backend == "cutile" and state_size > CUTILE_MAX_STATE_SIZE:
+        raise ValueError(f"state_size (last dimension of state) must be at most {CUTILE_MAX_STATE_SIZE} for the "
+                         f"cutile backend, got {state_size}; the pytorch backend takes any size")
+    return StateUpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, has_heads)
+
+
+class ConvArgs(NamedTuple):
+    x: torch.Tensor                     # [batch, dim, tokens]
+    weight: torch.Tensor                # [dim, width]
+    bias: torch.Tensor | None           # [dim]
+    seq_idx: torch.Tensor | None        # [batch, tokens] int
+    initial_states: torch.Tensor | None  # [batch, dim, width - 1]
+    return_final_states: bool
+    final_states_out: torch.Tensor | None  # [batch, dim, width - 1], only with return_final_states
+    silu: bool
+
+
+def check_conv_args(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                    final_states_out=None, activation=None, *, backend: str) -> ConvArgs:
+    """causal_conv1d's causal_conv1d_fn contract. x may have any strides (channel-last included).
+    As in causal_conv1d, final_states_out is used only with return_final_states, and seq_idx
+    excludes initial_states and final states."""
+    dtypes = CUTILE_DTYPES if backend == "cutile" else PYTORCH_DTYPES
+    _expect_tensor("x", x)
+    if x.ndim != 3:
+        raise ValueError(f"x must be [batch, dim, seqlen], got shape {tuple(x.shape)}")
+    batch, dim, tokens = x.shape
+    if min(batch, dim, tokens) < 1:
+        raise ValueError(f"x [batch, dim, seqlen] must have no empty dimension, got {tuple(x.shape)}")
+    width = _check_weight_bias(weight, bias, dim, dtypes, backend)
+    _expect_dtype("x", x, dtypes, backend)
+    silu = _check_activation(activation)
+    _expect_bool("return_final_states", return_final_states)
+    if seq_idx is not None:
+        _expect_tensor("seq_idx", seq_idx)
+        if seq_idx.dtype not in INDEX_DTYPES:
+            raise TypeError(f"seq_idx must be an int32 or int64 tensor, got {seq_idx.dtype}")
+        _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, seqlen]")
+        if initial_states is not None:
+            raise ValueError("initial_states must be None when seq_idx is given (as in causal_conv1d)")
+        if return_final_states:
+            raise ValueError("return_final_states must be False when seq_idx is given (as in causal_conv1d)")
+    if initial_states is not None:
+        _expect_tensor("initial_states", initial_states)
+        _expect_shape("initial_states", initial_states, (batch, dim, width - 1), "[batch, dim, width - 1]")
+        _expect_dtype("initial_states", initial_states, dtypes, backend)
+    if not return_final_states:
+        final_states_out = None
+    elif final_states_out is not None:
+        _expect_tensor("final_states_out", final_states_out)
+        _expect_shape("final_states_out", final_states_out, (batch, dim, width - 1), "[batch, dim, width - 1]")
+        _expect_dtype("final_states_out", final_states_out, dtypes, backend)
+        _expect_no_overlap("final_states_out", final_states_out)
+    _check_devices({"x": x, "weight": weight, "bias": bias, "seq_idx": seq_idx, "initial_states": initial_states,
+                    "final_states_out": final_states_out}, backend)
+    return ConvArgs(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu)
+
+
+class ConvUpdateArgs(NamedTuple):
+    x: torch.Tensor                     # [batch, dim, tokens]
+    conv_state: torch.Tensor            # [slots, dim, state_len]
+    weight: torch.Tensor                # [dim, width]
+    bias: torch.Tensor | None           # [dim]
+    silu: bool
+    cache_seqlens: torch.Tensor | None  # [batch] int
+    conv_state_indices: torch.Tensor | None  # [batch] int
+    squeeze: bool                       # x was [batch, dim]: so is the output
+
+
+def check_conv_update_args(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                           conv_state_indices=None, *, backend: str) -> ConvUpdateArgs:
+    """causal_conv1d's causal_conv1d_update contract."""
+    dtypes = CUTILE_DTYPES if backend == "cutile" else PYTORCH_DTYPES
+    _expect_tensor("x", x)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x must be [batch, dim] or [batch, dim, seqlen], got shape {tuple(x.shape)}")
+    squeeze = x.ndim == 2
+    x3 = x.unsqueeze(-1) if squeeze else x
+    batch, dim, tokens = x3.shape
+    if min(batch, dim, tokens) < 1:
+        raise ValueError(f"x must have no empty dimension, got {tuple(x.shape)}")
+    _expect_dtype("x", x, dtypes, backend)
+    _expect_tensor("conv_state", conv_state)
+    if conv_state.ndim != 3 or conv_state.shape[1] != dim:
+        raise ValueError(f"conv_state must be [slots, dim, state_len] with x's dim {dim}, got shape "
+                         f"{tuple(conv_state.shape)}")
+    _expect_dtype("conv_state", conv_state, dtypes, backend)
+    width = _check_weight_bias(weight, bias, dim, dtypes, backend)
+    state_len = conv_state.shape[2]
+    if state_len < width - 1:
+        raise ValueError(f"conv_state's state_len (last dimension) must be at least width - 1 = {width - 1}, "
+                         f"got {state_len}")
+    _expect_no_overlap("conv_state", conv_state)
+    silu = _check_activation(activation)
+    if cache_seqlens is not None:
+        _expect_indices("cache_seqlens", cache_seqlens, batch)
+    if conv_state_indices is None:
+        if conv_state.shape[0] != batch:
+            raise ValueError(f"conv_state must have x's batch ({batch}) as its first dimension without "
+                             f"conv_state_indices, got {conv_state.shape[0]}")
+    else:
+        _expect_indices("conv_state_indices", conv_state_indices, batch)
+    _check_devices({"x": x, "conv_state": conv_state, "weight": weight, "bias": bias, "cache_seqlens": cache_seqlens,
+                    "conv_state_indices": conv_state_indices}, backend)
+    return ConvUpdateArgs(x3, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices, squeeze)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _lift(t, rank_without_heads, axis):
+    return t.unsqueeze(axis) if t is not None and t.ndim == rank_without_heads else t
+
+
+def _expect_dtype(name, t, dtypes, backend):
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must be one of {names} for the {backend} backend, got {t.dtype}")
+
+
+def _expect_bool(name, flag):
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+
+def _expect_indices(name, t, batch):
+    _expect_tensor(name, t)
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+    _expect_shape(name, t, (batch,), "[batch]")
+
+
+def _expect_no_overlap(name, t):
+    # Written in place: elements sharing memory (an expanded tensor) would race.
+    if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} is written in place and must not have a zero stride (an expanded tensor), "
+                         f"got strides {t.stride()}")
+
+
+def _check_weight_bias(weight, bias, dim, dtypes, backend) -> int:
+    _expect_tensor("weight", weight)
+    if weight.ndim != 2 or weight.shape[0] != dim:
+        raise ValueError(f"weight must be [dim, width] with x's dim {dim}, got shape {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if width not in CONV_WIDTHS:
+        raise ValueError(f"width (last dimension of weight) must be one of {CONV_WIDTHS}, got {width}")
+    _expect_dtype("weight", weight, dtypes, backend)
+    if bias is not None:
+        _expect_tensor("bias", bias)
+        _expect_shape("bias", bias, (dim,), "[dim]")
+        _expect_dtype("bias", bias, dtypes, backend)
+    return width
+
+
+def _check_activation(activation) -> bool:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None, \"silu\" or \"swish\", got {activation!r}")
+    return activation is not None
+
+
+def _check_devices(tensors: dict, backend: str):
+    tensors = {n: t for n, t in tensors.items() if t is not None}
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
+    if backend != "cutile":
+        return
+    device = next(iter(devices))
+    if device.type != "cuda":
+        raise ValueError(f"the cutile backend needs CUDA tensors, got tensors on {device}; "
+                         "move them with .cuda() or call with backend=\"pytorch\"")
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if major < 8:
+        raise ValueError(f"the cutile backend needs a GPU of compute capability 8.0 or newer, "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
