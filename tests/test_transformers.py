@@ -243,6 +243,11 @@ def test_training_and_autograd_keep_transformers_forward(calls):
     out = model(ids).logits  # autograd on: our kernels are forward-only
     out.sum().backward()
     assert model.backbone.layers[0].mixer.in_proj.weight.grad is not None
+    # Frozen weights, but a gradient wanted for the inputs.
+    model.requires_grad_(False)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    model(inputs_embeds=embeds).logits.sum().backward()
+    assert embeds.grad is not None and embeds.grad.abs().sum() > 0
     assert all(n == 0 for n in calls.counts.values())
     logits(model, ids)
     assert calls.counts["mamba_chunk_scan_combined"] == 2

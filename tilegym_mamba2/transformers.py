@@ -197,13 +197,21 @@ def _patched_forward(cls, original, conv1d: bool, ssm: bool, backend):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if self.training or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+        if self.training or _records_grad(self, args, kwargs):
             return original(self, *args, **kwargs)
         # Some mixers' forward also takes **kwargs, which cuda_kernels_forward does not.
         return kernel_forward(self, *args, **{k: v for k, v in kwargs.items() if k in accepted})
 
     setattr(forward, _ORIGINAL, original)
     return forward
+
+
+def _records_grad(mixer, args, kwargs) -> bool:
+    """Whether autograd would record this call (our kernels have no backward)."""
+    if not torch.is_grad_enabled():
+        return False
+    hidden_states = args[0] if args else kwargs.get("hidden_states")
+    return bool(getattr(hidden_states, "requires_grad", False)) or any(p.requires_grad for p in mixer.parameters())
 
 
 def _rebound_kernel_forward(cls, flags: dict, backend):
