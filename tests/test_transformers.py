@@ -88,12 +88,18 @@ def assert_logits_close(ours, ref, tol=1e-4):
     assert err <= tol * max(1.0, ref.abs().max().item()), f"max |ours - torch path| = {err}"
 
 
-def test_unpatched_model_takes_the_torch_path():
-    # What the comparisons below rely on: no mamba_ssm, so transformers' own forward is torch_forward.
-    from transformers.models.mamba2 import modeling_mamba2
+def test_unpatched_model_takes_the_torch_path(monkeypatch):
+    # What the CPU comparisons rely on: on CPU tensors transformers' own forward is torch_forward.
+    seen = []
+    torch_forward = Mamba2Mixer.torch_forward
 
-    tiny_mamba2()
-    assert not modeling_mamba2.is_fast_path_available
+    def spy(self, *args, **kwargs):
+        seen.append(self.layer_idx)
+        return torch_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Mamba2Mixer, "torch_forward", spy)
+    logits(tiny_mamba2(), prompt())
+    assert seen == [0, 1]
 
 
 def test_model_patch_matches_torch_path_prefill_and_decode(calls):
@@ -197,20 +203,37 @@ def test_patching_twice_does_not_stack(calls):
     assert Mamba2Mixer.forward is original
 
 
-def test_flags_choose_the_pieces(calls):
+def test_flags_choose_the_pieces(calls, monkeypatch):
+    from transformers.models.mamba2 import modeling_mamba2
+
     ref_model = tiny_mamba2(seed=9)
     ids = prompt(seed=10)
     ref_tokens = greedy(ref_model, ids)
+    # What transformers finds without mamba_ssm and causal_conv1d (set here too, for machines
+    # that have them): a piece left out then runs our pytorch backend.
+    for name in OURS:
+        monkeypatch.setattr(modeling_mamba2, name, None)
     for conv1d, ssm in ((False, True), (True, False)):
         model = copy.deepcopy(ref_model)
         apply_tilegym_kernel_to_mamba2(conv1d=conv1d, ssm=ssm, model=model)
         calls.counts.update({name: 0 for name in OURS})
         calls.backends.clear()
-        # A piece left to transformers finds nothing installed and runs our pytorch backend.
         assert torch.equal(greedy(model, ids), ref_tokens)
-        want = expected_calls(layers=2)
-        assert calls.counts == want
+        assert calls.counts == expected_calls(layers=2)
         assert calls.backends == {None, "pytorch"}
+
+    # Where transformers found kernels, a piece left out calls those.
+    found = []
+    for name in ("causal_conv1d_fn", "causal_conv1d_update"):
+        def installed(*args, _name=name, **kwargs):
+            found.append(_name)
+            return getattr(tilegym_mamba2, _name)(*args, backend="pytorch", **kwargs)
+
+        monkeypatch.setattr(modeling_mamba2, name, installed)
+    model = copy.deepcopy(ref_model)
+    apply_tilegym_kernel_to_mamba2(conv1d=False, model=model)
+    assert torch.equal(greedy(model, ids), ref_tokens)
+    assert found.count("causal_conv1d_fn") == 2 and found.count("causal_conv1d_update") == 22
 
 
 def test_use_cutile_asks_for_the_cutile_backend(monkeypatch):
@@ -316,11 +339,15 @@ def test_hybrid_models_match_their_torch_path(model_type, calls):
 # GPU: bf16 on CUDA, our cuTile kernels against transformers' torch path.
 
 def gpu_pair(seed):
+    """(bf16 model on transformers' torch path, the same patched, the torch path in fp32)."""
     ref_model = tiny_mamba2(dtype=torch.bfloat16, device="cuda", seed=seed, hidden_size=256, num_heads=8,
                             head_dim=64, state_size=64, n_groups=1, chunk_size=64, initializer_range=0.1)
     model = copy.deepcopy(ref_model)
     apply_tilegym_kernel_to_mamba2(model=model)
     fp32_model = copy.deepcopy(ref_model).float()
+    for reference in (ref_model, fp32_model):  # torch_forward even where mamba_ssm is installed
+        for layer in reference.backbone.layers:
+            layer.mixer.forward = layer.mixer.torch_forward
     return ref_model, model, fp32_model
 
 
