@@ -119,12 +119,13 @@ def layer_example(device) -> float:
 
 
 def compile_all(target) -> int:
-    from .cutile.aot import compile_kernels, compile_layer_kernels
+    from .cutile.aot import compile_kernels, compile_layer_kernels, compile_serving_kernels
     from .toolchain import explain_compile_failure
     try:
         for op, compiled in (("mamba2_chunk_forward", lambda: compile_kernels(target)),
                              ("mamba_chunk_scan_combined, every option",
-                              lambda: compile_layer_kernels(target, per_sequence_init=True))):
+                              lambda: compile_layer_kernels(target, per_sequence_init=True)),
+                             ("serving ops (decode step, prefill conv)", lambda: compile_serving_kernels(target))):
             print(f"  {op}:")
             for name, size, seconds in compiled():
                 print(f"    {name:24s} {target}  {size:8d} bytes  {seconds:.1f} s")

@@ -85,7 +85,7 @@ def causal_conv1d_fn_pytorch(x, weight, bias=None, seq_idx=None, initial_states=
         out = F.silu(out)
     if seq_idx is not None:
         out = torch.where(seq_idx[:, None, :] >= 0, out, 0.0)
-    out = out.to(x.dtype)
+    out = torch.empty_like(x).copy_(out)                               # x's dtype and layout
     if not return_final_states:
         return out
     final = padded[..., tokens:]                                       # the last width - 1 inputs

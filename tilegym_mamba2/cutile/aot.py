@@ -94,7 +94,7 @@ def kernel_signature(kernel, args) -> KernelSignature:
 def compile_state_update_kernels(target="sm_90", *, batch=4, slots=6, heads=8, head_size=64, state_size=128,
                                  groups=1, dtype=torch.bfloat16, state_dtype=torch.float32, tied=True,
                                  with_d=True, with_z=True, with_bias=True, softplus=True, with_indices=True,
-                                 without_heads=False):
+                                 without_heads=False, index_dtype=torch.int32):
     """Compiles the selective_state_update kernel of one call: ``tied`` passes dt, A, D and dt_bias
     expanded from per-head values (HF's Mamba-2 call), otherwise one value per channel (A per
     element); ``without_heads`` is mamba_ssm's 3-D form."""
@@ -118,7 +118,7 @@ def compile_state_update_kernels(target="sm_90", *, batch=4, slots=6, heads=8, h
               C=empty(batch, groups, state_size, dt=dtype), D=D if with_d else None,
               z=empty(batch, heads, head_size, dt=dtype) if with_z else None, dt_bias=dt_bias if with_bias else None,
               dt_softplus=softplus,
-              state_batch_indices=torch.zeros(batch, dtype=torch.int32) if with_indices else None)
+              state_batch_indices=torch.zeros(batch, dtype=index_dtype) if with_indices else None)
     if without_heads:
         kw = {k: (v.squeeze(1) if k in ("state", "x", "dt", "z", "B", "C") else v.squeeze(0) if k in (
             "A", "D", "dt_bias") else v) if isinstance(v, torch.Tensor) and k != "state_batch_indices" else v
@@ -127,3 +127,52 @@ def compile_state_update_kernels(target="sm_90", *, batch=4, slots=6, heads=8, h
     with recording_launches() as launches:
         run_state_update(args)
     return _export(launches, target)
+
+
+def compile_conv_kernels(target="sm_90", *, batch=2, dim=320, tokens=300, width=4, dtype=torch.bfloat16,
+                         channel_last=True, with_bias=True, with_seq_idx=False, with_init=False, with_final=False,
+                         activation="silu", index_dtype=torch.int32):
+    """Compiles the causal_conv1d_fn kernel of one call (x channel-last as HF's mixer passes it,
+    or channel-first)."""
+    from ..serving_validation import check_conv_args
+    from .causal_conv1d import run_conv
+
+    x = torch.empty(batch, tokens, dim, dtype=dtype).transpose(1, 2) if channel_last else \
+        torch.empty(batch, dim, tokens, dtype=dtype)
+    args = check_conv_args(
+        x, torch.empty(dim, width, dtype=dtype), torch.empty(dim, dtype=dtype) if with_bias else None,
+        torch.zeros(batch, tokens, dtype=index_dtype) if with_seq_idx else None,
+        torch.empty(batch, dim, width - 1, dtype=dtype) if with_init else None, with_final, None, activation,
+        backend="pytorch")
+    with recording_launches() as launches:
+        run_conv(args)
+    return _export(launches, target)
+
+
+def compile_conv_update_kernels(target="sm_90", *, batch=4, slots=6, dim=320, tokens=1, width=4, state_len=None,
+                                dtype=torch.bfloat16, with_bias=True, circular=False, with_indices=True,
+                                activation="silu", index_dtype=torch.int32):
+    """Compiles the causal_conv1d_update kernel of one call (by default a decode step: one token,
+    state_len width - 1, continuous batching indices)."""
+    from ..serving_validation import check_conv_update_args
+    from .causal_conv1d_update import run_conv_update
+
+    state_len = width - 1 if state_len is None else state_len
+    args = check_conv_update_args(
+        torch.empty(batch, dim, tokens, dtype=dtype),
+        torch.empty(slots if with_indices else batch, dim, state_len, dtype=dtype),
+        torch.empty(dim, width, dtype=dtype), torch.empty(dim, dtype=dtype) if with_bias else None, activation,
+        torch.zeros(batch, dtype=index_dtype) if circular else None,
+        torch.zeros(batch, dtype=index_dtype) if with_indices else None, backend="pytorch")
+    with recording_launches() as launches:
+        run_conv_update(args)
+    return _export(launches, target)
+
+
+def compile_serving_kernels(target="sm_90"):
+    """The serving ops' kernels as a Mamba-2 model calls them: selective_state_update and
+    causal_conv1d_update of a decode step (HF's expanded per-head dt, A, D, dt_bias; continuous
+    batching indices), causal_conv1d_fn of a prefill (channel-last, silu) and with packed
+    sequences. -> [(kernel name, cubin size in bytes, seconds)]."""
+    return (compile_state_update_kernels(target) + compile_conv_update_kernels(target)
+            + compile_conv_kernels(target) + compile_conv_kernels(target, with_seq_idx=True))
