@@ -2,6 +2,7 @@
 the same models unpatched (transformers' torch path: neither mamba_ssm nor causal_conv1d is
 installed). Small random models built from configs; nothing is downloaded."""
 import copy
+import types
 
 import pytest
 import torch
@@ -15,11 +16,7 @@ from tilegym_mamba2.transformers import (  # noqa: E402
 )
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
 
-SERVING = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update")
-OURS = SERVING + ("mamba_chunk_scan_combined",)
-if not all(hasattr(tilegym_mamba2, name) for name in SERVING):
-    pytest.skip("needs tilegym_mamba2's serving API (causal_conv1d_fn, causal_conv1d_update, "
-                "selective_state_update)", allow_module_level=True)
+OURS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined")
 
 VOCAB = 128
 NEW_TOKENS = 12
@@ -75,7 +72,7 @@ def calls(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(tilegym_mamba2, name, spy)
-    yield type("Calls", (), {"counts": counts, "backends": backends})
+    yield types.SimpleNamespace(counts=counts, backends=backends)
 
 
 def expected_calls(layers, prompts=1, decode_steps=NEW_TOKENS - 1):
