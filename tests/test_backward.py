@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.backward import layer_backward
+from tilegym_mamba2.backward import Kernels, layer_backward
 from tilegym_mamba2.layer_reference import layer_token_recurrence
 from tilegym_mamba2.reference import token_recurrence
 from tilegym_mamba2.scan_reference import scan_reference
@@ -83,11 +83,56 @@ def test_decomposition_matches_float64_autograd(name):
 
     saved = ScanCombinedArgs(t["x"], t["dt"], t["A"], t["B"], t["C"], 8, t["D"], t.get("z"), t.get("dt_bias"),
                              t.get("initial_states"), seq_idx, cu_seqlens, softplus, limit, True, varlen)
-    scan = functools.partial(scan_reference, dtype=F64, chunk_size=8)
+    kernels = Kernels(functools.partial(scan_reference, dtype=F64, chunk_size=8))
     grads = dict(zip(["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"],
-                     layer_backward(scan, saved, dout, dfinal, dstates)))
+                     layer_backward(kernels, saved, dout, dfinal, dstates)))
     for k, ref in zip(names, refs):
         assert rel(grads[k], ref) < 1e-11, (k, rel(grads[k], ref))
+
+
+@pytest.mark.parametrize("seq", [None, [[0] * 10 + [1] * 20 + [2] * 15], [[0] * 8 + [1] * 1 + [2] * 20 + [3] * 16]])
+@pytest.mark.parametrize("tokens", [45, 40])
+def test_decay_grad_reference_is_the_state_product(seq, tokens):
+    """The chunk-local decay gradient (what cutile/decay_grad.py computes) equals
+    <dh_u, exp(l_u) h_{u-1}> from token-by-token states and state gradients, sequences included."""
+    from tilegym_mamba2.scan_reference import decay_grad_reference
+    g = torch.Generator().manual_seed(tokens)
+    batch, groups, heads, state, head, L = 1, 2, 4, 5, 3, 8
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+    x, dy = randn(batch, tokens, heads, head), randn(batch, tokens, heads, head)
+    b, c = randn(batch, tokens, groups, state), randn(batch, tokens, groups, state)
+    w = torch.rand(batch, tokens, heads, generator=g, dtype=F64) + 0.1
+    l = -torch.rand(batch, tokens, heads, generator=g, dtype=F64)
+    h0, dfinal = randn(batch, heads, head, state), randn(batch, heads, head, state)
+    seq_idx = torch.zeros(batch, tokens, dtype=torch.long) if seq is None else torch.tensor(seq)[:, :tokens]
+    br, cr = b.repeat_interleave(2, 2)[0], c.repeat_interleave(2, 2)[0]
+    new_seq = torch.ones(tokens, dtype=torch.bool)
+    new_seq[1:] = seq_idx[0, 1:] != seq_idx[0, :-1]
+    before, after = [], []  # h_{t-1} (of t's sequence) and h_t
+    h = h0[0] * (seq_idx[0, 0] == 0)
+    for t in range(tokens):
+        if t and new_seq[t]:
+            h = torch.zeros_like(h)
+        before.append(h)
+        h = torch.exp(l[0, t])[:, None, None] * h + w[0, t][:, None, None] * x[0, t][..., None] * br[t][:, None]
+        after.append(h)
+    grads = [None] * tokens
+    for t in reversed(range(tokens)):
+        own = dy[0, t][..., None] * cr[t][:, None]
+        if t == tokens - 1:
+            grads[t] = dfinal[0] + own
+        else:
+            grads[t] = own + (0 if new_seq[t + 1] else torch.exp(l[0, t + 1])[:, None, None] * grads[t + 1])
+    expected = torch.stack([(grads[t] * torch.exp(l[0, t])[:, None, None] * before[t]).sum((-1, -2))
+                            for t in range(tokens)])
+    chunks = -(-tokens // L)
+    entry = torch.stack([h0[0] * (seq_idx[0, 0] == 0) if k == 0 else after[k * L - 1] for k in range(chunks)])
+    end = torch.stack([dfinal[0] if (k + 1) * L >= tokens else torch.exp(l[0, (k + 1) * L])[:, None, None]
+                       * grads[(k + 1) * L] for k in range(chunks)])
+    got = decay_grad_reference(x, b, c, dy, w, l, entry[None], end[None], None if seq is None else seq_idx,
+                               chunk_size=L)
+    assert torch.allclose(got[0], expected, rtol=1e-12, atol=1e-12)
 
 
 def plain_inputs(seed=0, batch=2, tokens=50, groups=2, heads=4, state=16, head=8, dtype=torch.float32):
@@ -244,11 +289,15 @@ def test_backward_kernels_compile_ahead_of_time():
     if find_toolchain().tileiras is None:
         pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\")")
     from tilegym_mamba2.cutile.aot import compile_backward_kernels
-    for layer in (False, True):
+    for layer in (None, "packed", "sequence_states"):
         results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
         names = {name for name, _, _ in results}
         expected = {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel"}
-        if layer:
-            expected |= {"varlen_states_kernel", "sequence_init_kernel"}
-        assert names == expected
+        if layer is not None:
+            expected |= {"varlen_states_kernel"}
+        if layer == "sequence_states":
+            expected |= {"sequence_init_kernel"}
+        else:  # the chunk-local decay gradient
+            expected |= {"decay_grad_kernel"}
+        assert names == expected, (layer, names)
         assert all(size > 0 for _, size, _ in results)

@@ -129,8 +129,10 @@ def compile_all(target) -> int:
                              ("mamba_chunk_scan_combined, every option",
                               lambda: compile_layer_kernels(target, per_sequence_init=True)),
                              ("mamba2_chunk_backward", lambda: compile_backward_kernels(target)),
-                             ("mamba_chunk_scan_combined backward, every option",
-                              lambda: compile_backward_kernels(target, layer=True)),
+                             ("mamba_chunk_scan_combined backward, packed sequences",
+                              lambda: compile_backward_kernels(target, layer="packed")),
+                             ("mamba_chunk_scan_combined backward, per-sequence states",
+                              lambda: compile_backward_kernels(target, layer="sequence_states")),
                              ("serving ops (decode step, prefill conv)", lambda: compile_serving_kernels(target))):
             print(f"  {op}:")
             for name, size, seconds in compiled():

@@ -27,6 +27,7 @@ A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens) 
 """
 import contextlib
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -40,7 +41,7 @@ def mamba2_chunk_backward_pytorch(x, a, b, c, d, dt, init_state, dout, dfinal_st
     """The "pytorch" backend of mamba2_chunk_backward: backward.py over the PyTorch scan, in fp32
     (fp64 for fp64 inputs). ``state_dtype`` is accepted for tilegym's call; states stay fp32."""
     args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="pytorch")
-    return chunk_backward(scan_for("pytorch", x.dtype), *args[:-1])
+    return chunk_backward(kernels_for("pytorch", x.dtype), *args[:-1])
 
 
 def scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None, z=None,
@@ -55,75 +56,99 @@ def scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, 
     else:
         compile_errors_explained = contextlib.nullcontext
     with compile_errors_explained():
-        return layer_backward(scan_for(backend, x.dtype), saved, dout, dfinal_states, dvarlen_states)
+        return layer_backward(kernels_for(backend, x.dtype), saved, dout, dfinal_states, dvarlen_states)
 
 
-def scan_for(backend, dtype):
-    """The scan backward.py runs on: our kernels, or the PyTorch one in fp32 (fp64 for fp64)."""
+def kernels_for(backend, dtype) -> "Kernels":
+    """What backward.py runs on: our kernels, or the PyTorch scan in fp32 (fp64 for fp64)."""
     if backend == "cutile":
-        from .cutile.scan import scan
-        return scan
-    return functools.partial(scan_reference, dtype=torch.promote_types(dtype, torch.float32))
+        from .cutile.scan import KERNELS
+        return KERNELS
+    return Kernels(functools.partial(scan_reference, dtype=torch.promote_types(dtype, torch.float32)))
 
 
-def scan_backward(scan, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=None, cu_seqlens=None,
-                  dfinal_states=None, dvarlen_states=None, forward=None):
+class Kernels(NamedTuple):
+    """What backward.py runs on: a scan, and (where the backend has it) the chunk-local decay
+    gradient, which needs the scans' chunk entry states (``chunk_states=True``)."""
+    scan: Callable
+    decay_grad: Callable | None = None
+
+
+def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=None, cu_seqlens=None,
+                  dfinal_states=None, dvarlen_states=None, want_y=False):
     """Gradients of (y, final_states, varlen_states) = scan(x, B, C, dt, A * dt, initial_states, ...).
 
     dt is the processed dt [batch, tokens, heads]; dy [batch, tokens, heads, head_size] in x's
     dtype; dfinal_states [batch, heads, head_size, state_size], dvarlen_states
-    [num_sequences, ...] or None. ``forward``: that scan's result if the caller has it.
-    -> (dx, dB, dC, ddt, dA, dinitial_states or None) in the accumulation dtype (fp32, or fp64
-    for fp64 inputs); dx without the skip term."""
+    [num_sequences, ...] or None.
+    -> (dx, dB, dC, ddt, dA, dinitial_states or None, y or None) in the accumulation dtype (fp32,
+    or fp64 for fp64 inputs); dx without the skip term; y (the forward's) when ``want_y``."""
     batch, tokens, heads, _ = x.shape
     groups = B.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)
+    scan = kernels.scan
     dt = dt.to(acc)
     log_decay = A.to(acc) * dt
-    if forward is None:
-        forward = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens)
-    y, final_states, varlen_states = forward
+    per_sequence_init = (initial_states is not None and cu_seqlens is not None
+                         and initial_states.shape[0] != batch)
+    # The chunk-local decay gradient covers states that enter and leave at chunk edges; initial
+    # states or state gradients at sequence edges inside a chunk take the suffix sums.
+    exact = kernels.decay_grad is not None and dvarlen_states is None and not per_sequence_init
+    if exact:
+        y, final_states, varlen_states, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens,
+                                                      chunk_states=True, outputs=want_y)
+    else:
+        y, final_states, varlen_states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens)
 
-    seq_rev = None if seq_idx is None else (seq_idx[:, -1:] - seq_idx).flip(1)
-    cu_rev = None if cu_seqlens is None else tokens - cu_seqlens.flip(0)
+    # Backwards in time on token-reversed inputs, padded at the front to whole chunks so that
+    # reversed chunks are the forward's chunks (padding: no input, no decay, no sequence change).
+    pad = -tokens % REVERSE_ALIGN
+    seq_rev = None if seq_idx is None else _reverse(seq_idx[:, -1:] - seq_idx, pad)
+    cu_rev = None
+    if cu_seqlens is not None:
+        cu_rev = tokens + pad - cu_seqlens.flip(0)
+        cu_rev[0] = 0
     next_decay = torch.zeros_like(log_decay)
     next_decay[:, :-1] = log_decay[:, 1:]
     if seq_idx is not None:
         next_decay[:, :-1] *= (seq_idx[:, 1:] == seq_idx[:, :-1])[..., None]
-    rev_decay = next_decay.flip(1)
-    ones = torch.ones_like(dt)
+    rev_decay = _reverse(next_decay, pad)
+    ones = _reverse(torch.ones_like(dt), pad)
     rev_init = _reverse_init(dfinal_states, dvarlen_states, batch, x.shape[3], B.shape[3], x.device)
-    dy_rev, b_rev, c_rev = dy.flip(1), B.flip(1), C.flip(1)
+    dy_rev, b_rev, c_rev = _reverse(dy, pad), _reverse(B, pad), _reverse(C, pad)
 
     # 2: dh_t b_t, and dh at each sequence's first token.
-    dxs, dh_first, dh_starts = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev)
-    dxs = dxs.flip(1).to(acc)
-    # 3 and 4 carry the transposed state: [state_size, head_size].
-    per_head_b, per_head_c = _per_head(B, heads), _per_head(C, heads)
+    rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, **({'chunk_states': True} if exact else {}))
+    dxs, dh_first, dh_starts = rev[:3]
+    dxs = _unreverse(dxs, pad)
+    # 3 and 4 carry the transposed state: [state_size, head_size]. dt_t folds into x_t for db.
     init_t = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
-    dc_heads = scan(per_head_b, x, dy, dt, log_decay, init_t, seq_idx, cu_seqlens)[0]
+    dc_heads = scan(_per_head(B, heads), x, dy, dt, log_decay, init_t, seq_idx, cu_seqlens)[0]
     rev_init_t = None if rev_init is None else rev_init.transpose(-1, -2).contiguous()
-    db_heads = scan(per_head_c.flip(1), dy_rev, x.flip(1), ones, rev_decay, rev_init_t, seq_rev, cu_rev)[0]
+    x_dt = (x.to(acc) * dt[..., None]).to(x.dtype)
+    db_heads = scan(_per_head(c_rev, heads), dy_rev, _reverse(x_dt, pad), ones, rev_decay, rev_init_t, seq_rev,
+                    cu_rev)[0]
+    dC = _group_sums(dc_heads, groups, acc)
+    dB = _group_sums(_unreverse(db_heads, pad), groups, acc)
 
-    per_group = (batch, tokens, groups, heads // groups, -1)
-    dC = dc_heads.to(acc).view(per_group).sum(3)
-    dB = (db_heads.flip(1).to(acc) * dt[..., None]).view(per_group).sum(3)
-
-    xs = x.to(acc)
-    ddt_input = (xs * dxs).sum(-1)
-    dg = (dy.to(acc) * y.to(acc)).sum(-1) - dt * ddt_input
-    if dfinal_states is not None:
-        dg[:, -1] += (dfinal_states.to(acc) * final_states.to(acc)).sum((-1, -2))
-    if dvarlen_states is not None:
-        dg[0, cu_seqlens[1:].long() - 1] += (dvarlen_states.to(acc) * varlen_states.to(acc)).sum((-1, -2))
-    dl = _sequence_suffix_sums(dg, seq_idx)
+    ddt_input = (x.to(acc) * dxs.to(acc)).sum(-1)
+    dxs = dxs.to(acc)
+    if exact:
+        dl = kernels.decay_grad(x, B, C, dy, seq_idx, states, rev[3]).to(acc)
+    else:
+        dg = (dy.to(acc) * y.to(acc)).sum(-1) - dt * ddt_input
+        if dfinal_states is not None:
+            dg[:, -1] += (dfinal_states.to(acc) * final_states.to(acc)).sum((-1, -2))
+        if dvarlen_states is not None:
+            dg[0, cu_seqlens[1:].long() - 1] += (dvarlen_states.to(acc) * varlen_states.to(acc)).sum((-1, -2))
+        dl = _sequence_suffix_sums(dg, seq_idx)
     ddt = ddt_input + A.to(acc) * dl
     dA = (dt * dl).sum((0, 1))
     dx = dt[..., None] * dxs
 
     dinit = None
     if initial_states is not None:
-        if cu_seqlens is not None and initial_states.shape[0] != batch:
+        if per_sequence_init:
             # One state per sequence: the reversed scan's sequence ends are the first tokens.
             starts = cu_seqlens[:-1].long()
             dinit = torch.exp(log_decay[0, starts])[..., None, None] * dh_starts.flip(0).to(acc)
@@ -131,7 +156,23 @@ def scan_backward(scan, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=None
             dinit = torch.exp(log_decay[:, 0])[..., None, None] * dh_first.to(acc)
             if seq_idx is not None:  # a row's initial state belongs to its sequence 0
                 dinit = dinit * (seq_idx[:, 0] == 0)[:, None, None, None]
-    return dx, dB, dC, ddt, dA, dinit
+    return dx, dB, dC, ddt, dA, dinit, (y if want_y else None)
+
+
+REVERSE_ALIGN = 64  # the kernels' chunk length (cutile/tuning.py KERNEL_CHUNK)
+
+
+def _reverse(t, pad):
+    """[batch, tokens, ...] -> token-reversed, with ``pad`` zero tokens in front."""
+    if not pad:
+        return t.flip(1)
+    out = t.new_zeros(t.shape[0], t.shape[1] + pad, *t.shape[2:])
+    out[:, pad:] = t.flip(1)
+    return out
+
+
+def _unreverse(t, pad):
+    return t[:, pad:].flip(1)
 
 
 def _reverse_init(dfinal_states, dvarlen_states, batch, head_size, state_size, device):
@@ -145,8 +186,19 @@ def _reverse_init(dfinal_states, dvarlen_states, batch, head_size, state_size, d
 
 
 def _per_head(bc, heads):
+    """[batch, tokens, groups, n] -> [batch, tokens, heads, n]: a view where there is one group."""
     groups = bc.shape[2]
-    return bc if groups == heads else bc.repeat_interleave(heads // groups, dim=2)
+    if groups == heads:
+        return bc
+    if groups == 1:
+        return bc.expand(-1, -1, heads, -1)
+    return bc.repeat_interleave(heads // groups, dim=2)
+
+
+def _group_sums(per_head, groups, dtype):
+    """[batch, tokens, heads, n] -> [batch, tokens, groups, n], summed in ``dtype``."""
+    batch, tokens, heads, n = per_head.shape
+    return per_head.view(batch, tokens, groups, heads // groups, n).sum(3, dtype=dtype)
 
 
 def _sequence_suffix_sums(values, seq_idx):
@@ -168,7 +220,7 @@ def _sequence_suffix_sums(values, seq_idx):
     return (suffix - after.gather(1, end[..., None].expand_as(after))).to(dtype)
 
 
-def layer_backward(scan, saved, dout, dfinal_states=None, dvarlen_states=None):
+def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None):
     """Gradients of mamba_chunk_scan_combined. ``saved``: its checked arguments
     (validation.ScanCombinedArgs). -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states),
     each in its input's dtype, None for an input that is None."""
@@ -177,42 +229,40 @@ def layer_backward(scan, saved, dout, dfinal_states=None, dvarlen_states=None):
     if cu_seqlens is not None and seq_idx is None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
     dt = process_dt(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
-    forward = scan(x, B, C, dt, A.to(acc) * dt, initial_states, seq_idx, cu_seqlens)
-    y = forward[0].to(acc)
-
     dout = dout.to(acc)
     xs = x.to(acc)
     skip = None if D is None else (D.to(acc)[:, None] if D.ndim == 1 else D.to(acc))
-    dz = None
+    dy = dout
     if z is not None:
         gate = torch.sigmoid(z.to(acc))
-        pre_gate = y if skip is None else y + skip * xs
-        silu = z.to(acc) * gate
-        dz = (dout * pre_gate * gate * (1 + z.to(acc) * (1 - gate))).to(z.dtype)
-        dout = dout * silu
+        dy = dout * z.to(acc) * gate
     dD = None
     if D is not None:
-        dD = (dout * xs).sum((0, 1))
+        dD = (dy * xs).sum((0, 1))
         dD = (dD.sum(-1) if D.ndim == 1 else dD).to(D.dtype)
 
-    dx, dB, dC, ddt, dA, dinit = scan_backward(
-        scan, x, A, B, C, dt, dout.to(x.dtype), initial_states=initial_states, seq_idx=seq_idx,
-        cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, forward=forward)
+    dx, dB, dC, ddt, dA, dinit, y = scan_backward(
+        kernels, x, A, B, C, dt, dy.to(x.dtype), initial_states=initial_states, seq_idx=seq_idx,
+        cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None)
+    dz = None
+    if z is not None:
+        pre_gate = y.to(acc) if skip is None else y.to(acc) + skip * xs
+        dz = (dout * pre_gate * gate * (1 + z.to(acc) * (1 - gate))).to(z.dtype)
     if skip is not None:
-        dx = dx + skip * dout
+        dx = dx + skip * dy
     ddt_raw = ddt * process_dt_slope(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
     ddt_bias = None if dt_bias is None else ddt_raw.sum((0, 1)).to(dt_bias.dtype)
     return (dx.to(x.dtype), ddt_raw.to(dt_raw.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
             None if dinit is None else dinit.to(initial_states.dtype))
 
 
-def chunk_backward(scan, x, a, b, c, d, dt, init_state, dout, dfinal_state):
+def chunk_backward(kernels, x, a, b, c, d, dt, init_state, dout, dfinal_state):
     """Gradients of mamba2_chunk_forward (checked arguments) -> (dx, da, db, dc, dd, ddt, dinit_state):
     dx, db, dc in x's dtype, ddt in dt's, da, dd and dinit_state in fp32 (fp64 for fp64 inputs);
     dinit_state is zeros when init_state is None."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    dx, db, dc, ddt, da, dinit = scan_backward(scan, x, a, b, c, dt, dout, initial_states=init_state,
-                                               dfinal_states=dfinal_state)
+    dx, db, dc, ddt, da, dinit, _ = scan_backward(kernels, x, a, b, c, dt, dout, initial_states=init_state,
+                                                  dfinal_states=dfinal_state)
     dout = dout.to(acc)
     dx = dx + d.to(acc)[:, None] * dout
     dd = (dout * x.to(acc)).sum((0, 1, 3))

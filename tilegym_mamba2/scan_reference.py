@@ -12,6 +12,8 @@ Packed sequences as in the layer op: no state crosses a sequence boundary; ``ini
 [batch, ...] (each row's sequence 0) or, with cu_seqlens, [num_sequences, ...] (one per
 sequence). This is the "pytorch" backend's scan; cutile/scan.py is the kernels' one.
 """
+import math
+
 import torch
 
 from .layer_reference import _sequences
@@ -40,3 +42,63 @@ def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqle
         ends.append(h[0])
         final_states[row] = h[0]
     return y, final_states, (torch.stack(ends) if cu_seqlens is not None else None)
+
+
+def decay_grad_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads, seq_idx=None, *, chunk_size):
+    """The gradient of each token's log decay, dl_u = <dh_u, exp(l_u) h_{u-1}>, chunk by chunk with
+    no long sums (the kernel cutile/decay_grad.py computes the same). Per chunk with entry state S
+    (of the sequence carried in), dS the gradient of the state after the chunk (of the sequence
+    that goes on past it), g the in-chunk sums of log decay and G their total:
+
+        dl_u = sum_{s < u <= t, same sequence} exp(g_t - g_s) w_s (c_t . b_s)(dy_t . x_s)
+             + sum_{t >= u} exp(g_t) dy_t . (S c_t)            (t in the carried sequence)
+             + sum_{s < u} w_s exp(G - g_s) x_s . (dS b_s)     (s in the sequence going on)
+             + exp(G) <dS, S>                                  (u in both)
+
+    x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size]; weight,
+    log_decay [batch, tokens, heads]; entry_states, end_grads [batch, chunks, heads, head_size,
+    state_size]; seq_idx [batch, tokens] or None -> dl [batch, tokens, heads]."""
+    batch, tokens, heads, _ = x.shape
+    dtype = entry_states.dtype
+    L = chunk_size
+    chunks = -(-tokens // L)
+    pad = chunks * L - tokens
+
+    def chunked(t):
+        t = t.to(dtype)
+        if pad:
+            t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(batch, chunks, L, *t.shape[2:])
+
+    rep = heads // b.shape[2]
+    xc, dyc = chunked(x), chunked(dy)
+    bc, cc = chunked(b.repeat_interleave(rep, 2)), chunked(c.repeat_interleave(rep, 2))
+    w, g = chunked(weight), chunked(log_decay).cumsum(2)          # [B, K, L, H]
+    g_end = g[:, :, -1:]
+    if seq_idx is None:
+        seq = torch.zeros(batch, chunks * L, dtype=torch.long, device=x.device)
+    else:
+        seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, pad)], 1)
+    seq = seq.reshape(batch, chunks, L)
+    carried = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)[..., None] == seq        # [B, K, L]
+    going_on = torch.cat([seq[:, 1:, 0], seq[:, -1:, -1]], 1)[..., None] == seq
+
+    same = (seq[..., :, None] == seq[..., None, :])[:, :, None]                     # [B, K, 1, L, L]
+    strictly_before = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)
+    gh = g.permute(0, 1, 3, 2)                                                       # [B, K, H, L]
+    decay = torch.exp((gh[..., :, None] - gh[..., None, :]).masked_fill(~(strictly_before & same), -math.inf))
+    pairs = (decay * w.permute(0, 1, 3, 2)[..., None, :] * torch.einsum("bkthn,bkshn->bkhts", cc, bc)
+             * torch.einsum("bkthp,bkshp->bkhts", dyc, xc))                          # [B, K, H, t, s]
+    # sum over t >= u of sum over s < u
+    before_u = pairs.cumsum(-1) - pairs                                              # [.., t, u]: s < u
+    at_or_after = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()        # t >= u
+    dl = (before_u * at_or_after).sum(-2).permute(0, 1, 3, 2)                        # [B, K, L, H]
+
+    received = torch.exp(g) * torch.einsum("bklhp,bkhpn,bklhn->bklh", dyc, entry_states, cc) * carried[..., None]
+    dl = dl + received.flip(2).cumsum(2).flip(2)
+    sent = (w * torch.exp(g_end - g) * torch.einsum("bklhp,bkhpn,bklhn->bklh", xc, end_grads, bc)
+            * going_on[..., None])
+    dl = dl + sent.cumsum(2) - sent
+    through = torch.exp(g_end) * (end_grads * entry_states).sum((-1, -2))[:, :, None]
+    dl = dl + through * (carried & going_on)[..., None]
+    return dl.reshape(batch, chunks * L, heads)[:, :tokens]

@@ -63,34 +63,36 @@ def compile_layer_kernels(target="sm_90", *, sequences=3, tokens=1000, groups=1,
 
 
 def compile_backward_kernels(target="sm_90", *, sequences=3, tokens=1000, groups=1, heads=8, head_size=64,
-                             state_size=128, dtype=torch.bfloat16, layer=False):
-    """The kernels of a backward call: mamba2_chunk_backward with an initial state, or (``layer``)
-    the layer op's backward with every option on and ``sequences`` packed sequences whose
-    varlen states, per-sequence initial states and final state all have gradients."""
+                             state_size=128, dtype=torch.bfloat16, layer=None):
+    """The kernels of a backward call: mamba2_chunk_backward with an initial state (``layer``
+    None), or the layer op's backward with every option on and ``sequences`` packed sequences,
+    either with row initial states ("packed": the chunk-local decay gradient) or with initial
+    states per sequence and gradients of their varlen states ("sequence_states": suffix sums)."""
     from ..backward import chunk_backward, layer_backward
     from ..validation import ScanCombinedArgs
-    from .scan import scan
+    from .scan import KERNELS
 
     def empty(*shape, dt=dtype):
         return torch.zeros(*shape, dtype=dt)
 
-    rows = 1 if layer else 2
+    rows = 2 if layer is None else 1
     x, dout = empty(rows, tokens, heads, head_size), empty(rows, tokens, heads, head_size)
     b, c = empty(rows, tokens, groups, state_size), empty(rows, tokens, groups, state_size)
     dt = empty(rows, tokens, heads, dt=torch.float32)
     a, d = empty(heads, dt=torch.float32), empty(heads, dt=torch.float32)
     state = (heads, head_size, state_size)
     with recording_launches() as launches:
-        if not layer:
+        if layer is None:
             init, dfinal = empty(rows, *state, dt=torch.float32), empty(rows, *state, dt=torch.float32)
-            chunk_backward(scan, x, a, b, c, d, dt, init, dout, dfinal)
+            chunk_backward(KERNELS, x, a, b, c, d, dt, init, dout, dfinal)
         else:
             cu_seqlens = torch.linspace(0, tokens, sequences + 1).round().to(torch.int32)
+            per_sequence = layer == "sequence_states"
+            init = empty(sequences if per_sequence else 1, *state, dt=torch.float32)
             saved = ScanCombinedArgs(x, dt, a, b, c, 64, empty(heads, head_size, dt=torch.float32), empty(*x.shape),
-                                     a, empty(sequences, *state, dt=torch.float32), None, cu_seqlens, True,
-                                     (0.0, float("inf")), True, True)
-            layer_backward(scan, saved, dout, empty(1, *state, dt=torch.float32),
-                           empty(sequences, *state, dt=torch.float32))
+                                     a, init, None, cu_seqlens, True, (0.0, float("inf")), True, per_sequence)
+            layer_backward(KERNELS, saved, dout, empty(1, *state, dt=torch.float32),
+                           empty(sequences, *state, dt=torch.float32) if per_sequence else None)
     # Each distinct (kernel, compile-time constants) once: the four scans repeat some.
     unique = {}
     for kernel, args in launches:

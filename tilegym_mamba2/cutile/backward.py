@@ -4,7 +4,7 @@ import torch
 from ..backward import chunk_backward
 from ..validation import check_backward_args
 from . import compile_errors_explained
-from .scan import scan
+from .scan import KERNELS
 
 
 def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
@@ -13,4 +13,4 @@ def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None
     states stay fp32."""
     args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="cutile")
     with compile_errors_explained():
-        return chunk_backward(scan, *args[:-1])
+        return chunk_backward(KERNELS, *args[:-1])

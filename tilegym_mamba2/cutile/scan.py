@@ -6,20 +6,30 @@ chunk_cumsum would have made: the kernels never tie the weight to the decay. Sha
 the heuristic config; the backward's role swaps (head_size <-> state_size) are shapes the
 forward already runs.
 """
+from dataclasses import replace
+
 import torch
 
+from ..backward import Kernels
 from ..reference import LOG2E
+from .decay_grad import decay_grad as decay_grad_kernel
+from .fwd_pass_state import fwd_pass_state
 from .scan_combined import scan_stages
 from .tuning import choose_config
 
 
-def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None):
+def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, chunk_states=False,
+         outputs=True):
     """x [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size] in x's dtype;
     weight, log_decay [batch, tokens, heads] fp32 -> (y in x's dtype, final_states fp32,
-    varlen_states fp32 with cu_seqlens else None). See scan_reference.scan_reference."""
+    varlen_states fp32 with cu_seqlens else None), see scan_reference.scan_reference.
+    ``chunk_states``: one segment per chunk, and a fourth value (entry states, one per chunk, and
+    the decay sums) for decay_grad; without ``outputs`` only the state pass runs (y is None)."""
     batch, tokens, heads, head_size = x.shape
     groups, state_size = b.shape[2], b.shape[3]
     config = choose_config(batch, tokens, groups, heads, head_size, state_size, 64, x.device)
+    if chunk_states:
+        config = replace(config, chunks_per_segment=1)
     chunk = config.chunk_size
     padded = -(-tokens // chunk) * chunk
     # Padded tokens: weight 0 and no decay, as chunk_cumsum leaves them.
@@ -33,5 +43,26 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None):
     cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
     if init is not None:
         init = init.to(torch.float32).contiguous()
-    return scan_stages(x.contiguous(), b.contiguous(), c.contiguous(), None, None, weight_bht, decay_cumsum, init,
-                       seq, cu, config, with_varlen_states=cu is not None)
+    # A group's B or C shared by every head arrives as a stride-0 view: read it, don't copy it.
+    x, b, c = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, b, c))
+    if not outputs:
+        entry_states, final_states = fwd_pass_state(x, b, weight_bht, decay_cumsum, init, chunk, config, seq_idx=seq)
+        return None, final_states, None, (entry_states, decay_cumsum, weight_bht)
+    y, final_states, varlen, entry_states = scan_stages(x, b, c, None, None, weight_bht, decay_cumsum, init, seq, cu,
+                                                        config, with_varlen_states=cu is not None)
+    if chunk_states:
+        return y, final_states, varlen, (entry_states, decay_cumsum, weight_bht)
+    return y, final_states, varlen
+
+
+def decay_grad(x, b, c, dy, seq_idx, forward_states, reverse_states):
+    """dl [batch, tokens, heads] from the forward scan's and the reversed scan's chunk states."""
+    entry_states, decay_cumsum, weight_bht = forward_states
+    rev_entry_states, rev_decay_cumsum, _ = reverse_states
+    seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
+    dl = decay_grad_kernel(x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(), weight_bht,
+                           decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq, 64)
+    return dl[:, :, :x.shape[1]].transpose(1, 2)
+
+
+KERNELS = Kernels(scan, decay_grad)

@@ -54,8 +54,8 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     # The clamp is applied even at (0, inf), as the definition (layer_reference.process_dt) says.
     dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=dt_bias, softplus=dt_softplus, dt_limit=dt_limit)
-    out, final_states, varlen = scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens,
-                                            config, with_varlen_states=with_varlen_states)
+    out, final_states, varlen, _ = scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens,
+                                               config, with_varlen_states=with_varlen_states)
     if varlen is not None and with_varlen_states:
         varlen = varlen.to(C.dtype)  # mamba_ssm's dtype for them
     return out, final_states, varlen
@@ -63,7 +63,8 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
 
 def scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens, config, *,
                 with_varlen_states=False):
-    """Stages 2 and 3 with every packing option -> (out, final_states, varlen_states fp32 or None).
+    """Stages 2 and 3 with every packing option -> (out, final_states, varlen_states fp32 or None,
+    entry_states as the state pass leaves them).
     The backward's scans (cutile/scan.py) run them too, with their own weights and decays."""
     batch = x.shape[0]
     per_sequence_init = (initial_states is not None and cu_seqlens is not None
@@ -87,4 +88,4 @@ def scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seq
     elif varlen is not None:
         # The last sequence's state is the row's final state; both returned, they agree to the bit.
         varlen[-1] = final_states[0]
-    return out, final_states, varlen
+    return out, final_states, varlen, entry_states
