@@ -95,7 +95,12 @@ def tuning_enabled() -> bool:
     if os.environ.get("TILEGYM_MAMBA2_TUNE", "1") == "0":
         return False
     # Timing synchronizes the device, which is not allowed while a CUDA graph is being captured.
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not capturing()
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def tuning_switches() -> tuple:
