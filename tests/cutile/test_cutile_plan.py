@@ -274,3 +274,19 @@ def test_plans_are_bounded(monkeypatch):
     for i in range(9):
         plan.remember(("key", i), i)
     assert 0 < len(plan._plans) <= 4 and plan.planned(("key", 8)) == 8
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["environ data", "os.environ.get"])
+def test_tuning_switches_follow_the_environment(fast, monkeypatch):
+    from tilegym_mamba2.cutile import tuning
+    if not fast:
+        monkeypatch.setattr(tuning, "_environ_data", None)
+    seen = []
+    for value in ("1", "0", None):
+        for name in tuning.SWITCHES:
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value + name)
+        seen.append(tuning.tuning_switches())
+    assert len(set(seen)) == 3 and seen[-1] == (None, None, None)
