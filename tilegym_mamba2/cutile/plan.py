@@ -51,7 +51,7 @@ def remember(key, plan) -> None:
         return
     if len(_plans) >= MAX_PLANS:
         for old in list(_plans)[:MAX_PLANS // 2]:
-            del _plans[old]
+            _plans.pop(old, None)  # another thread may have dropped it
     _plans[key] = plan
 
 
