@@ -18,6 +18,8 @@
 #                                           next to ours on the source config and the 2.7B layer
 #   bash benchmarks/device_check.sh explore 2 GPUs: config variants of the whole op on GPU 0 (CONFIG_VARIANTS,
 #                                           variants/config_op.py), stage timings on GPU 1
+#   bash benchmarks/device_check.sh host    1 GPU: host time per call, plans on and off (experiment 33),
+#                                           the host profile, ours on the anchors, the graph-capture tests
 #   bash benchmarks/device_check.sh verify  2 GPUs: every GPU test on GPU 1; on GPU 0 cold first calls
 #                                           (FIRST_CALL=0: none), the stages against their loads
 #                                           (LOAD_FLOOR=1, variants/load_floor.py), then the whole op at
@@ -149,5 +151,21 @@ verify)
   grep -E "^\(|^  |read" "$out/load_floor.log" 2>/dev/null | cut -c1-150
   grep -E "^\(|^  " "$out/config_op.log" | cut -c1-120
   ;;
-*) echo "usage: $0 tests|bench|x4|x2|explore|verify" >&2; exit 2 ;;
+host)
+  # Experiment 33, one GPU, one job at a time (timing never next to a compiler): host time per call
+  # with plans on and off in one process (variants/host_time.py), the host profile, ours alone on
+  # the anchor shapes (the prefill and 2 x 1024 are host-bound), then the GPU tests of repeated
+  # calls and graph capture, then the other cuTile tests in what is left of LIMIT_S.
+  limit=${LIMIT_S:-560}
+  timeout 150 python3 benchmarks/variants/host_time.py planned > "$out/host_time.log" 2>&1
+  timeout 60 python3 benchmarks/variants/host_profile.py > "$out/host_profile.log" 2>&1
+  timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+  timeout -s INT $((limit - SECONDS)) python3 -m pytest -q -m gpu tests/cutile/test_cutile_graph_gpu.py \
+    tests/cutile/test_cutile_gpu.py tests/test_layer_cutile_gpu.py -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_tests.log" 2>&1
+  grep -v -i warn "$out/host_time.log" | cut -c1-200; grep -E "us host|layer op" "$out/host_profile.log"
+  grep -A8 "^| B, T" "$out/bench.log"
+  grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$out/gpu_tests.log" | tail -15
+  ;;
+*) echo "usage: $0 tests|bench|x4|x2|explore|verify|host" >&2; exit 2 ;;
 esac

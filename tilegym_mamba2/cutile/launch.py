@@ -17,9 +17,19 @@ def launch(grid, kernel, args):
     if _recording is not None:
         _recording.append((kernel, tuple(args)))
         return
-    # The stream of the first argument's device, asked by index: current_stream() without one
-    # looks the current device up first, which measured ~8 us of the call's host time.
-    ct.launch(torch.cuda.current_stream(args[0].get_device()), grid, kernel, tuple(args))
+    ct.launch(current_stream(args[0].get_device()), grid, kernel, tuple(args))
+
+
+def current_stream(device_index: int):
+    """The current stream of the device, as its raw handle (an int, which ct.launch takes as is):
+    torch.cuda.current_stream builds a Stream object each time, ~4 us of host time per launch
+    (benchmarks/NOTES.md, experiment 33). The same stream, so graph capture sees the launches."""
+    if _raw_stream is None:  # a torch without the raw query
+        return torch.cuda.current_stream(device_index)
+    return _raw_stream(device_index)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def new_output(*shape, dtype, device):

@@ -11,8 +11,8 @@ import torch
 
 from ..autograd import differentiable_scan_combined, wanted
 from ..layer_reference import _returns
-from ..validation import check_scan_combined_args, seq_idx_from_cu_seqlens
-from . import compile_errors_explained, config_for, states_and_out
+from ..validation import check_scan_combined_args, scan_combined_args, seq_idx_from_cu_seqlens
+from . import compile_errors_explained, config_for, plan, states_and_out
 from .chunk_cumsum import chunk_cumsum
 from .sequence_init import add_sequence_initial_states
 from .varlen_states import varlen_states
@@ -24,17 +24,35 @@ VARLEN_MAX_SEGMENT_CHUNKS = 16
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
                               return_final_states=False, return_varlen_states=False):
-    """See ``tilegym_mamba2.mamba_chunk_scan_combined``."""
+    """See ``tilegym_mamba2.mamba_chunk_scan_combined``. A repeated call's checks and config come
+    from its plan (plan.py), except with packed sequences, whose offsets are checked every call."""
     if wanted(x, dt, A, B, C, D, z, dt_bias, initial_states):
         return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                             cu_seqlens, dt_softplus, dt_limit, return_final_states,
                                             return_varlen_states, "cutile")
-    args = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                    cu_seqlens, dt_softplus, dt_limit, return_final_states,
-                                    return_varlen_states, backend="cutile")
+    call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+            return_final_states, return_varlen_states)
+    key = plan.signature("layer", *call) if seq_idx is None and cu_seqlens is None else None
+    config = plan.planned(key)
+    if config is None:
+        args = check_scan_combined_args(*call, backend="cutile")
+    else:
+        args = scan_combined_args(*call)
     with compile_errors_explained():
-        out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states)
+        if config is None:
+            config = layer_config(*args[:14], with_varlen_states=return_varlen_states)
+            plan.remember(key, config)
+        out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states, config=config)
     return _returns(out, final_states, varlen, return_final_states, return_varlen_states)
+
+
+def layer_config(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                 dt_limit, *, with_varlen_states=False):
+    """The layer op's config for checked arguments: tuned on the layer op itself (config_for)."""
+    def run_candidate(candidate):
+        run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                  dt_limit, with_varlen_states=with_varlen_states, config=candidate)
+    return config_for(x, A, B, C, None, dt, None, chunk_size, run_candidate=run_candidate)
 
 
 def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
@@ -42,10 +60,8 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
     """Runs the stages on checked arguments -> (out, final_states, varlen_states or None)."""
     batch, tokens = x.shape[:2]
     if config is None:
-        def run_candidate(candidate):
-            run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
-                      dt_limit, with_varlen_states=with_varlen_states, config=candidate)
-        config = config_for(x, A, B, C, None, dt, None, chunk_size, run_candidate=run_candidate)
+        config = layer_config(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                              dt_softplus, dt_limit, with_varlen_states=with_varlen_states)
     chunk = config.chunk_size
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)

@@ -1,0 +1,292 @@
+"""Launch plans (cutile/plan.py) on the CPU: a repeated call skips the checks and the config
+lookup, launches exactly what the first call launched, and bad input still meets the checks.
+
+Launches are recorded, not run. The checks' CUDA-only part (the device type and its compute
+capability) is stood in for, so CPU tensors pass where CUDA tensors would; every other check runs.
+"""
+import pytest
+import torch
+
+pytest.importorskip("cuda.tile")
+
+from tilegym_mamba2 import validation  # noqa: E402
+from tilegym_mamba2.cutile import plan  # noqa: E402
+from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def cpu_as_cuda(monkeypatch):
+    """CPU tensors pass the cutile backend's device checks; no tuning (it would time on a GPU)."""
+    check_limits = validation._check_cutile_limits
+    monkeypatch.setattr(validation, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(validation, "_check_cutile_limits",
+                        lambda device, head_size, state_size: check_limits(torch.device("cuda", 0), head_size,
+                                                                           state_size)
+                        if device.type == "cpu" else check_limits(device, head_size, state_size))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
+    plan.forget()
+    yield
+    plan.forget()
+
+
+def forward_inputs(batch=2, tokens=300, groups=2, heads=4, head_size=32, state_size=64, chunk_size=64, init=True,
+                   dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    return dict(x=randn(batch, tokens, heads, head_size), a=-torch.rand(heads, generator=gen) - 0.5,
+                b=randn(batch, tokens, groups, state_size), c=randn(batch, tokens, groups, state_size),
+                d=randn(heads, dtype=torch.float32), dt=torch.rand(batch, tokens, heads, generator=gen) * 0.1,
+                init_state=randn(batch, heads, head_size, state_size, dtype=torch.float32) if init else None,
+                chunk_size=chunk_size)
+
+
+def layer_inputs(options=(), batch=1, tokens=300, heads=4, head_size=32, state_size=64, groups=1, seed=1):
+    f = forward_inputs(batch, tokens, groups, heads, head_size, state_size, init=False, seed=seed)
+    kw = dict(x=f["x"], dt=f["dt"], A=f["a"], B=f["b"], C=f["c"], chunk_size=128)
+    if "D" in options:
+        kw["D"] = f["d"]
+    if "D_channel" in options:
+        kw["D"] = torch.randn(heads, head_size)
+    if "z" in options:
+        kw["z"] = torch.randn_like(f["x"])
+    if "dt_bias" in options:
+        kw["dt_bias"] = torch.randn(heads)
+    if "softplus" in options:
+        kw["dt_softplus"] = True
+    if "limit" in options:
+        kw["dt_limit"] = (0.001, 0.1)
+    if "init" in options:
+        kw["initial_states"] = torch.randn(batch, heads, head_size, state_size)
+    if "final" in options:
+        kw["return_final_states"] = True
+    if "cu" in options:
+        kw["cu_seqlens"] = torch.tensor([0, 17, tokens - 40, tokens], dtype=torch.int32)
+        kw["return_varlen_states"] = True
+    return kw
+
+
+def forward(**kw):
+    from tilegym_mamba2.cutile import mamba2_chunk_forward
+    return mamba2_chunk_forward(**kw)
+
+
+def layer(**kw):
+    from tilegym_mamba2.cutile.scan_combined import mamba_chunk_scan_combined
+    return mamba_chunk_scan_combined(**kw)
+
+
+def recorded(op, kw, inputs):
+    """op(**kw)'s launches, each as (kernel, described args): a tensor by its layout, and by
+    which input it is when it is one (outputs are new on every call)."""
+    names = {t.data_ptr(): name for name, t in inputs.items() if isinstance(t, torch.Tensor)}
+
+    def describe(arg):
+        if not isinstance(arg, torch.Tensor):
+            return type(arg), arg
+        return (tuple(arg.shape), arg.stride(), arg.dtype, arg.device, arg.storage_offset(),
+                names.get(arg.data_ptr(), "new"))
+
+    with recording_launches() as launches:
+        op(**kw)
+    return [(kernel, tuple(map(describe, args))) for kernel, args in launches]
+
+
+def counting_checks(monkeypatch):
+    """Counts full checks of either op."""
+    import tilegym_mamba2.cutile as backend
+    from tilegym_mamba2.cutile import scan_combined
+    calls = []
+    for module, name in ((backend, "check_forward_args"), (scan_combined, "check_scan_combined_args")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _original=original, **k: calls.append(1) or _original(*a, **k))
+    return calls
+
+
+FORWARD_CASES = {
+    "ragged, with init": {},
+    "no init": dict(init=False),
+    "one chunk": dict(tokens=40, init=False),
+    "one chunk, init": dict(tokens=64),
+    "exact chunks, groups 1": dict(tokens=512, groups=1),
+    "segments of 2 chunks": dict(batch=1, tokens=2048, heads=32, groups=1, head_size=64, state_size=128),
+    "head 64, state 128, fp16": dict(tokens=1000, heads=8, head_size=64, state_size=128, dtype=torch.float16),
+    "fp32, state 256": dict(batch=1, tokens=129, heads=16, groups=1, state_size=256, dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=list(FORWARD_CASES))
+def test_planned_forward_launches_what_the_checked_path_launches(case, monkeypatch):
+    kw = forward_inputs(**FORWARD_CASES[case])
+    checks = counting_checks(monkeypatch)
+    first = recorded(forward, kw, kw)
+    assert checks == [1]
+    again = recorded(forward, kw, kw)
+    assert checks == [1]  # the plan's: no second check
+    plan.forget()
+    unplanned = recorded(forward, kw, kw)
+    assert checks == [1, 1]
+    assert first == again == unplanned and len(first) >= 2
+
+
+LAYER_CASES = {
+    "no options": (),
+    "D per head, z": ("D", "z"),
+    "D per channel, bias, softplus, limit": ("D_channel", "dt_bias", "softplus", "limit"),
+    "init, final": ("init", "final", "D"),
+    "everything": ("D_channel", "z", "dt_bias", "softplus", "limit", "init", "final"),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=list(LAYER_CASES))
+def test_planned_layer_op_launches_what_the_checked_path_launches(case, monkeypatch):
+    kw = layer_inputs(LAYER_CASES[case])
+    checks = counting_checks(monkeypatch)
+    first = recorded(layer, kw, kw)
+    again = recorded(layer, kw, kw)
+    assert checks == [1]
+    plan.forget()
+    assert first == again == recorded(layer, kw, kw) and checks == [1, 1]
+
+
+def test_packed_sequences_are_checked_every_call(monkeypatch):
+    """cu_seqlens' values can change from call to call with the same shapes: no plan skips them."""
+    kw = layer_inputs(("cu", "D"))
+    checks = counting_checks(monkeypatch)
+    first = recorded(layer, kw, kw)
+    assert recorded(layer, kw, kw) == first and checks == [1, 1]
+    bad = dict(kw, cu_seqlens=torch.tensor([0, 40, 17, 300], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, rise strictly"):
+        layer(**bad)
+
+
+def error_of(op, kw):
+    with pytest.raises((TypeError, ValueError)) as info:
+        with recording_launches():
+            op(**kw)
+    return type(info.value), str(info.value)
+
+
+FORWARD_BAD = {
+    "b's dtype": lambda kw: dict(kw, b=kw["b"].float()),
+    "d's shape": lambda kw: dict(kw, d=kw["d"][:-1]),
+    "init_state's shape": lambda kw: dict(kw, init_state=kw["init_state"][:1]),
+    "init_state an int tensor": lambda kw: dict(kw, init_state=kw["init_state"].int()),
+    "a on another device": lambda kw: dict(kw, a=kw["a"].to("meta")),
+    "chunk_size a float": lambda kw: dict(kw, chunk_size=64.0),
+    "chunk_size True": lambda kw: dict(kw, chunk_size=True),
+    "chunk_size 48": lambda kw: dict(kw, chunk_size=48),
+    "x a list": lambda kw: dict(kw, x=kw["x"].tolist()),
+    "x's dtype": lambda kw: dict(kw, x=kw["x"].double(), b=kw["b"].double(), c=kw["c"].double()),
+    "head_size 24": lambda kw: forward_inputs(head_size=24),
+}
+
+
+@pytest.mark.parametrize("bad", FORWARD_BAD, ids=list(FORWARD_BAD))
+def test_bad_forward_input_after_a_plan_gets_the_same_error(bad):
+    kw = forward_inputs()
+    bad_kw = FORWARD_BAD[bad](kw)
+    expected = error_of(forward, bad_kw)  # no plan yet
+    with recording_launches():
+        forward(**kw)  # settles the plan of the good signature
+    assert len(plan._plans) > 0
+    assert error_of(forward, bad_kw) == expected
+    assert error_of(forward, bad_kw) == expected  # a failed call leaves no plan
+
+
+LAYER_BAD = {
+    "dt_softplus 1": lambda kw: dict(kw, dt_softplus=1),
+    "return_final_states 0": lambda kw: dict(kw, return_final_states=0),
+    "dt_limit of bools": lambda kw: dict(kw, dt_limit=(False, True)),
+    "dt_limit reversed": lambda kw: dict(kw, dt_limit=(0.1, 0.001)),
+    "dt_limit of three": lambda kw: dict(kw, dt_limit=(0.0, 0.1, 1.0)),
+    "dt_limit with nan": lambda kw: dict(kw, dt_limit=(float("nan"), 1.0)),
+    "D's shape": lambda kw: dict(kw, D=kw["D"][:, :-1]),
+    "z's shape": lambda kw: dict(kw, z=kw["z"][:, :-1]),
+    "dt_bias on another device": lambda kw: dict(kw, dt_bias=kw["dt_bias"].to("meta")),
+    "chunk_size 100": lambda kw: dict(kw, chunk_size=100),
+    "varlen states without cu_seqlens": lambda kw: dict(kw, return_varlen_states=True),
+}
+
+
+@pytest.mark.parametrize("bad", LAYER_BAD, ids=list(LAYER_BAD))
+def test_bad_layer_input_after_a_plan_gets_the_same_error(bad):
+    kw = layer_inputs(("D_channel", "z", "dt_bias", "softplus", "limit", "final"))
+    bad_kw = LAYER_BAD[bad](kw)
+    expected = error_of(layer, bad_kw)
+    with recording_launches():  # plans for both values of each flag
+        for softplus in (True, False):
+            for final in (True, False):
+                layer(**dict(kw, dt_softplus=softplus, return_final_states=final))
+    assert error_of(layer, bad_kw) == expected
+
+
+def test_equal_values_of_another_type_are_another_signature():
+    """True == 1 == 1.0 and hash alike: the signature keeps their types apart."""
+    assert plan.signature(True) != plan.signature(1) != plan.signature(1.0)
+    assert plan.signature((0.0, 1.0)) != plan.signature([0.0, 1.0]) != plan.signature((0, 1))
+    assert plan.signature(object()) is None and plan.signature((torch.zeros(1),)) is None
+
+
+def test_a_changed_tuning_switch_is_another_signature(monkeypatch):
+    x = torch.zeros(2, 3)
+    before = plan.signature(x)
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "1")
+    assert plan.signature(x) != before
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
+    assert plan.signature(x) == before
+
+
+def test_nothing_is_remembered_during_graph_capture(monkeypatch):
+    """During capture the config is the heuristic's, not a settled choice; the next call outside
+    the capture settles it."""
+    kw = forward_inputs()
+    checks = counting_checks(monkeypatch)
+    monkeypatch.setattr(plan, "capturing", lambda: True)
+    recorded(forward, kw, kw)
+    recorded(forward, kw, kw)
+    assert plan._plans == {} and checks == [1, 1]
+    monkeypatch.setattr(plan, "capturing", lambda: False)
+    recorded(forward, kw, kw)
+    recorded(forward, kw, kw)
+    assert len(plan._plans) > 0 and checks == [1, 1, 1]
+
+
+def test_a_planned_call_neither_tunes_nor_looks_the_config_up(monkeypatch):
+    """What keeps a planned call capturable: no config lookup, so no timing and no sync."""
+    import tilegym_mamba2.cutile as backend
+    kw = forward_inputs()
+    recorded(forward, kw, kw)
+    monkeypatch.setattr(backend, "config_for", lambda *a, **k: pytest.fail("config_for on a planned call"))
+    recorded(forward, kw, kw)
+    layer_kw = layer_inputs(("D", "z"))
+    recorded(layer, layer_kw, layer_kw)
+    from tilegym_mamba2.cutile import scan_combined
+    monkeypatch.setattr(scan_combined, "config_for", lambda *a, **k: pytest.fail("config_for on a planned call"))
+    recorded(layer, layer_kw, layer_kw)
+
+
+def test_plans_are_bounded(monkeypatch):
+    monkeypatch.setattr(plan, "MAX_PLANS", 4)
+    for i in range(9):
+        plan.remember(("key", i), i)
+    assert 0 < len(plan._plans) <= 4 and plan.planned(("key", 8)) == 8
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["environ data", "os.environ.get"])
+def test_tuning_switches_follow_the_environment(fast, monkeypatch):
+    from tilegym_mamba2.cutile import tuning
+    if not fast:
+        monkeypatch.setattr(tuning, "_environ_data", None)
+    seen = []
+    for value in ("1", "0", None):
+        for name in tuning.SWITCHES:
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value + name)
+        seen.append(tuning.tuning_switches())
+    assert len(set(seen)) == 3 and seen[-1] == (None, None, None)

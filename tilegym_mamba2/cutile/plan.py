@@ -1,0 +1,60 @@
+"""Launch plans: what a repeated call needs, worked out on its first call and remembered.
+
+A call's signature is what its argument checks and its config depend on: each tensor's type,
+shape, dtype and device; every other argument's type and value; the tuning switches of the
+environment. The first call with a signature is checked in full and picks its config (tuning.py);
+a later call with the same signature skips both, which measured most of our Python's host time
+(benchmarks/NOTES.md, experiment 33). A bad argument never gets a plan, so it meets the full
+checks and their errors on every call.
+
+Strides are not part of a signature: the conversions (contiguous, fp32) run on every call, as
+no-ops when the tensors are already right, and cuTile specializes each launch on what it is given.
+
+Nothing is remembered while a CUDA graph is being captured: there the config is the heuristic's
+or a saved one, not a settled choice (tuning.py), and a later call outside the capture settles it.
+"""
+import torch
+
+from .tuning import capturing, tuning_switches
+
+MAX_PLANS = 4096  # distinct signatures kept; beyond that the oldest half is dropped
+_plans: dict = {}
+
+_SCALARS = frozenset((type(None), bool, int, float, str))
+
+
+def signature(*args) -> tuple | None:
+    """The call's signature (a hashable tuple), or None where an argument is not a tensor, None,
+    a number, a string, or a tuple or list of those (such a call is checked in full)."""
+    parts = []
+    for value in args:
+        kind = type(value)
+        if kind in _SCALARS:  # the type too: True == 1 == 1.0, and the checks tell them apart
+            parts.append((kind, value))
+        elif isinstance(value, torch.Tensor):
+            parts.append((kind, value.shape, value.dtype, value.device))
+        elif (kind is tuple or kind is list) and all(type(item) in _SCALARS for item in value):
+            parts.append((kind, *value, *map(type, value)))
+        else:
+            return None
+    return (*parts, *tuning_switches())
+
+
+def planned(key):
+    """The plan remembered for ``key`` (None: not yet, or no key)."""
+    return None if key is None else _plans.get(key)
+
+
+def remember(key, plan) -> None:
+    """Keeps ``plan`` for ``key``, except during graph capture (see the module docstring)."""
+    if key is None or capturing():
+        return
+    if len(_plans) >= MAX_PLANS:
+        for old in list(_plans)[:MAX_PLANS // 2]:
+            _plans.pop(old, None)  # another thread may have dropped it
+    _plans[key] = plan
+
+
+def forget() -> None:
+    """Drops every plan (tests; a changed tuning cache file)."""
+    _plans.clear()
