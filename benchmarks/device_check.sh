@@ -28,6 +28,29 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+eighth)
+  # Eighth session, one GPU: three test processes side by side (compiling is CPU-bound): the
+  # backward's, the serving ops' and HF patch's, and the repeated-call / graph / layer-op ones;
+  # then, alone on the GPU, bench --backward and the host time per call.
+  limit=${LIMIT_S:-300}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward.log" 2>&1 &
+  one=$!
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_serving_gpu.py tests/test_serving_peers_gpu.py \
+    tests/test_transformers.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_serving.log" 2>&1 &
+  two=$!
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_cutile_graph_gpu.py tests/test_layer_cutile_gpu.py \
+    -p no:cacheprovider --tb=short -rfE > "$out/gpu_forward.log" 2>&1
+  wait "$one" "$two"
+  for log in "$out"/gpu_backward.log "$out"/gpu_serving.log "$out"/gpu_forward.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -12
+  done
+  timeout "${BENCH_S:-150}" python3 -m tilegym_mamba2 bench --backward --only ${PEERS:-mamba_ssm} \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  grep -E "fwd\+bwd|^\|" "$out/backward.log"
+  timeout "${HOST_S:-60}" python3 benchmarks/variants/host_time.py planned > "$out/host_time.log" 2>&1
+  grep -v -i warn "$out/host_time.log" | cut -c1-160 | tail -12
+  ;;
 backward)
   # The backward's GPU tests (gradient errors logged one line each) next to the layer op's forward
   # tests, then bench --backward (PEERS: which peers, default mamba_ssm; tilegym autotunes minutes).
