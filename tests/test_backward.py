@@ -301,3 +301,44 @@ def test_backward_kernels_compile_ahead_of_time():
             expected |= {"decay_grad_kernel"}
         assert names == expected, (layer, names)
         assert all(size > 0 for _, size, _ in results)
+
+
+def test_sequence_edge_terms_complete_the_decay_gradient():
+    """With per-sequence starting states I_s and end-state gradients dE_s (chunk states hold
+    neither), sequence_edge_terms is exactly what they add to <dh_u, exp(l_u) h_{u-1}>."""
+    from tilegym_mamba2.backward import sequence_edge_terms
+    g = torch.Generator().manual_seed(0)
+    tokens, groups, heads, state, head = 45, 2, 4, 5, 3
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+    x, dy = randn(1, tokens, heads, head), randn(1, tokens, heads, head)
+    b, c = randn(1, tokens, groups, state), randn(1, tokens, groups, state)
+    w = torch.rand(1, tokens, heads, generator=g, dtype=F64) + 0.1
+    l = -torch.rand(1, tokens, heads, generator=g, dtype=F64)
+    cu_seqlens = torch.tensor([0, 7, 8, 30, 45])
+    seq = torch.searchsorted(cu_seqlens[1:], torch.arange(tokens), right=True)
+    starts, ends = randn(4, heads, head, state), randn(4, heads, head, state)
+    br, cr = b.repeat_interleave(2, 2)[0], c.repeat_interleave(2, 2)[0]
+    first = torch.ones(tokens, dtype=torch.bool)
+    first[1:] = seq[1:] != seq[:-1]
+    last = torch.ones(tokens, dtype=torch.bool)
+    last[:-1] = seq[1:] != seq[:-1]
+
+    def state_products(starts, ends):
+        before, h = [], None
+        for t in range(tokens):
+            h = starts[seq[t]] if first[t] else h
+            before.append(h)
+            h = torch.exp(l[0, t])[:, None, None] * h + w[0, t][:, None, None] * x[0, t][..., None] * br[t][:, None]
+        grads = [None] * tokens
+        for t in reversed(range(tokens)):
+            own = dy[0, t][..., None] * cr[t][:, None]
+            grads[t] = ends[seq[t]] + own if last[t] else own + torch.exp(l[0, t + 1])[:, None, None] * grads[t + 1]
+        return torch.stack([(grads[t] * torch.exp(l[0, t])[:, None, None] * before[t]).sum((-1, -2))
+                            for t in range(tokens)])
+
+    with_edges = state_products(starts, ends)
+    without = state_products(torch.zeros_like(starts), torch.zeros_like(ends))
+    added = sequence_edge_terms(x, b, c, dy, w, l, cu_seqlens, seq[None], starts, ends)[0]
+    assert torch.allclose(without + added, with_edges, rtol=1e-12, atol=1e-12)
+    assert (with_edges - without).abs().max() > 0.1  # the edges matter in this case

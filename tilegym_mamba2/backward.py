@@ -91,9 +91,21 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
     log_decay = A.to(acc) * dt
     per_sequence_init = (initial_states is not None and cu_seqlens is not None
                          and initial_states.shape[0] != batch)
-    # The chunk-local decay gradient covers states that enter and leave at chunk edges; initial
-    # states or state gradients at sequence edges inside a chunk take the suffix sums.
-    exact = kernels.decay_grad is not None and dvarlen_states is None and not per_sequence_init
+    exact = kernels.decay_grad is not None
+    row_init_as_sequences = False
+    if exact and cu_seqlens is not None and cu_seqlens.numel() - 1 != batch and (
+            per_sequence_init or dvarlen_states is not None):
+        # Initial states and state gradients at sequence edges inside chunks: both scans take
+        # them per sequence, the decay gradient adds their terms (sequence_edge_terms).
+        state = (heads, x.shape[3], B.shape[3])
+        sequences = cu_seqlens.numel() - 1
+        if not per_sequence_init:
+            row_init_as_sequences = initial_states is not None
+            first = initial_states if initial_states is not None else x.new_zeros(1, *state, dtype=acc)
+            initial_states = torch.cat([first.to(acc), first.new_zeros(sequences - 1, *state)])
+            per_sequence_init = True
+        if dvarlen_states is None:
+            dvarlen_states = x.new_zeros(sequences, *state, dtype=acc)
     if exact:
         y, final_states, varlen_states, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens,
                                                       chunk_states=True, outputs=want_y)
@@ -135,6 +147,9 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
     dxs = dxs.to(acc)
     if exact:
         dl = kernels.decay_grad(x, B, C, dy, seq_idx, states, rev[3]).to(acc)
+        if per_sequence_init:
+            dl = dl + sequence_edge_terms(x, B, C, dy, dt, log_decay, cu_seqlens, seq_idx, initial_states,
+                                          rev_init.flip(0))
     else:
         dg = (dy.to(acc) * y.to(acc)).sum(-1) - dt * ddt_input
         if dfinal_states is not None:
@@ -156,7 +171,44 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
             dinit = torch.exp(log_decay[:, 0])[..., None, None] * dh_first.to(acc)
             if seq_idx is not None:  # a row's initial state belongs to its sequence 0
                 dinit = dinit * (seq_idx[:, 0] == 0)[:, None, None, None]
+    if row_init_as_sequences:
+        dinit = dinit[:1]
     return dx, dB, dC, ddt, dA, dinit, (y if want_y else None)
+
+
+def sequence_edge_terms(x, B, C, dy, weight, log_decay, cu_seqlens, seq_idx, starts, ends):
+    """What the chunk-local decay gradient leaves out when sequences (batch 1) start from their
+    own states I_s and their end states get gradients dE_s: the scans' chunk states hold neither
+    (they enter outputs by linearity, cutile/sequence_init.py). With h = h0 + h^I and
+    dh = dh0 + dh^E, the missing part of <dh_u, exp(l_u) h_{u-1}> for u in sequence s is
+
+        sum_{t >= u} exp(g_t - g_{p-1}) dy_t . (I_s c_t)        <dh0, h^I>
+      + sum_{t < u} exp(g_e - g_t) w_t x_t . (dE_s b_t)          <dh^E, h0>
+      + exp(g_e - g_{p-1}) <dE_s, I_s>                           <dh^E, h^I>
+
+    (p, e: the sequence's first and last tokens; g: running sums of log decay). No term is a
+    difference: nothing cancels. -> [1, tokens, heads]."""
+    acc = log_decay.dtype
+    heads = x.shape[2]
+    per_head_b, per_head_c = _per_head(B, heads)[0], _per_head(C, heads)[0]
+    running = torch.cat([log_decay.new_zeros(1, heads, dtype=torch.float64),
+                         log_decay[0].to(torch.float64).cumsum(0)])          # running[t + 1] = g_t
+    received = torch.zeros_like(log_decay[0])
+    sent = torch.zeros_like(log_decay[0])
+    constant = torch.zeros_like(log_decay[0])
+    for s, (p, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        g = running[p + 1:end + 1]
+        into = torch.exp(g - running[p]).to(acc)                           # exp(g_t - g_{p-1})
+        out_of = torch.exp(running[end] - g).to(acc)                       # exp(g_e - g_t)
+        start, grad = starts[s].to(acc), ends[s].to(acc)
+        received[p:end] = into * torch.einsum("thp,hpn,thn->th", dy[0, p:end].to(acc), start,
+                                              per_head_c[p:end].to(acc))
+        sent[p:end] = out_of * weight[0, p:end] * torch.einsum("thp,hpn,thn->th", x[0, p:end].to(acc), grad,
+                                                               per_head_b[p:end].to(acc))
+        constant[p:end] = (torch.exp(running[end] - running[p]).to(acc) * (grad * start).sum((-1, -2)))
+    suffix = _sequence_suffix_sums(received[None], seq_idx)
+    before = (_sequence_suffix_sums(sent[None].flip(1), seq_idx.flip(1)).flip(1)) - sent[None]
+    return suffix + before + constant[None]
 
 
 REVERSE_ALIGN = 64  # the kernels' chunk length (cutile/tuning.py KERNEL_CHUNK)
