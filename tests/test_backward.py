@@ -292,13 +292,11 @@ def test_backward_kernels_compile_ahead_of_time():
     for layer in (None, "packed", "sequence_states"):
         results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
         names = {name for name, _, _ in results}
-        expected = {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel"}
+        expected = {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel", "decay_grad_kernel"}
         if layer is not None:
             expected |= {"varlen_states_kernel"}
         if layer == "sequence_states":
             expected |= {"sequence_init_kernel"}
-        else:  # the chunk-local decay gradient
-            expected |= {"decay_grad_kernel"}
         assert names == expected, (layer, names)
         assert all(size > 0 for _, size, _ in results)
 
