@@ -340,3 +340,29 @@ def test_sequence_edge_terms_complete_the_decay_gradient():
     added = sequence_edge_terms(x, b, c, dy, w, l, cu_seqlens, seq[None], starts, ends)[0]
     assert torch.allclose(without + added, with_edges, rtol=1e-12, atol=1e-12)
     assert (with_edges - without).abs().max() > 0.1  # the edges matter in this case
+
+
+def test_state_512_runs_as_two_halves(monkeypatch):
+    """The cutile backend's state_size 512 (two runs of 256, by linearity), with each half run on
+    the pytorch backend: the same result as one run over the whole state, forward and backward."""
+    import tilegym_mamba2.cutile as cutile
+    import tilegym_mamba2.cutile.backward as cutile_backward
+    from tilegym_mamba2.backward import kernels_for
+    from tilegym_mamba2.reference import mamba2_chunk_forward_pytorch
+    from tilegym_mamba2.validation import check_forward_args
+    monkeypatch.setattr(cutile, "mamba2_chunk_forward", mamba2_chunk_forward_pytorch)
+    monkeypatch.setattr(cutile, "check_forward_args",
+                        lambda *args, backend: check_forward_args(*args, backend="pytorch"))
+    x, a, b, c, d, dt, init = plain_inputs(tokens=70, groups=2, state=512)
+    out, final = cutile.split_state_forward(x, a, b, c, d, dt, init, 64)
+    want_out, want_final = mamba2_chunk_forward_pytorch(x, a, b, c, d, dt, init, 64)
+    assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(final, want_final, rtol=1e-5, atol=1e-4)
+
+    monkeypatch.setattr(cutile_backward, "KERNELS", kernels_for("pytorch", torch.float32))
+    dout, dfinal = torch.randn(x.shape), torch.randn(init.shape)
+    args = (x, a, b, c, d, dt, init, dout, dfinal)
+    got = cutile_backward._split_state_backward(*args)
+    want = tilegym_mamba2.mamba2_chunk_backward(*args, 64, backend="pytorch")
+    for name, g, w in zip(["dx", "da", "db", "dc", "dd", "ddt", "dinit_state"], got, want):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-3, atol=1e-3), name

@@ -54,6 +54,7 @@ PLAIN_CASES = [
     (2, 300, 2, 4, 64, 128, torch.float16, True),
     (1, 200, 1, 4, 128, 32, torch.float32, True),
     (1, 1, 1, 4, 128, 64, torch.bfloat16, True),
+    (1, 300, 1, 4, 512, 64, torch.bfloat16, True),   # state 512: two halves of 256
 ]
 
 
@@ -206,3 +207,18 @@ def test_plain_op_autograd_and_compile():
         fn(*leaves).backward()
         for got, want in zip([t.grad for t in leaves], expected):
             assert rel_err(got, want) < 1e-5
+
+
+def test_state_512_under_tilegym_backend_switch():
+    """tilegym's own grid has state_size 512: with our op in the "cutile" slot it still runs."""
+    import tilegym
+    seed = int.from_bytes(os.urandom(4), "little")
+    x, a, b, c, dt_raw, g = inputs(2, 256, 1, 4, 512, 64, torch.bfloat16, seed)
+    dt = torch.nn.functional.softplus(dt_raw)
+    d = torch.randn(4, device="cuda", generator=g)
+    init = 0.1 * torch.randn(2, 4, 64, 512, device="cuda", generator=g)
+    tilegym.set_backend("cutile")
+    with poisoned_outputs():
+        out, final = tilegym.ops.mamba2_chunk_forward(x, a, b, c, d, dt, init, 128)
+    ref_out, ref_final = chunked_forward_reference(x, a, b, c, d, dt, init, 64)
+    assert rel_err(out, ref_out) < TOLERANCE[torch.bfloat16] and rel_err(final, ref_final) < 1e-2

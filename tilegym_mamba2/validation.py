@@ -15,6 +15,9 @@ PYTORCH_INPUT_DTYPES = INPUT_DTYPES + (torch.float64,)
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 # cuTile tiles have power-of-two shapes and tensor-core matmuls need at least 16 along each side.
 CUTILE_DIMS = (16, 32, 64, 128, 256)
+# mamba2_chunk_forward/backward also take state_size 512 (tilegym's own grid has it): the
+# recurrence is separate per state column, so the cutile backend runs two halves of 256.
+CUTILE_SPLIT_STATE = 512
 
 
 class ForwardArgs(NamedTuple):
@@ -49,7 +52,7 @@ def check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, *, backend: st
         _expect_float("init_state", init_state)
     _check_chunk_size(chunk_size)
     _check_device({"x": x, "a": a, "b": b, "c": c, "d": d, "dt": dt, "init_state": init_state},
-                  backend, head_size, state_size)
+                  backend, head_size, state_size, split_state=True)
     return forward_args(x, a, b, c, d, dt, init_state, chunk_size)
 
 
@@ -110,17 +113,17 @@ def _check_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
 
 
-def _check_device(tensors: dict, backend: str, head_size: int, state_size: int):
+def _check_device(tensors: dict, backend: str, head_size: int, state_size: int, split_state: bool = False):
     tensors = {n: t for n, t in tensors.items() if t is not None}
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         where = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
         raise ValueError(f"all tensors must be on one device, got {where}")
     if backend == "cutile":
-        _check_cutile_limits(next(iter(devices)), head_size, state_size)
+        _check_cutile_limits(next(iter(devices)), head_size, state_size, split_state)
 
 
-def _check_cutile_limits(device: torch.device, head_size: int, state_size: int):
+def _check_cutile_limits(device: torch.device, head_size: int, state_size: int, split_state: bool = False):
     if device.type != "cuda":
         raise ValueError(f"the cutile backend needs CUDA tensors, got tensors on {device}; "
                          "move them with .cuda() or call with backend=\"pytorch\"")
@@ -128,10 +131,11 @@ def _check_cutile_limits(device: torch.device, head_size: int, state_size: int):
     if major < 8:
         raise ValueError(f"the cutile backend needs a GPU of compute capability 8.0 or newer, "
                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
-    for name, size in (("head_size (last dimension of x)", head_size),
-                       ("state_size (last dimension of b and c)", state_size)):
-        if size not in CUTILE_DIMS:
-            raise ValueError(f"{name} must be one of {CUTILE_DIMS} for the cutile backend, got {size}; "
+    for name, size, sizes in (("head_size (last dimension of x)", head_size, CUTILE_DIMS),
+                              ("state_size (last dimension of b and c)", state_size,
+                               CUTILE_DIMS + ((CUTILE_SPLIT_STATE,) if split_state else ()))):
+        if size not in sizes:
+            raise ValueError(f"{name} must be one of {sizes} for the cutile backend, got {size}; "
                              "the pytorch backend takes any size")
 
 
@@ -312,7 +316,8 @@ def check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk
         _expect_tensor("dfinal_state", dfinal_state)
         _expect_shape("dfinal_state", dfinal_state, state, "[batch, heads, head_size, state_size]")
         _expect_float("dfinal_state", dfinal_state)
-    _check_device({"x": x, "dout": dout, "dfinal_state": dfinal_state}, backend, head_size, b.shape[3])
+    _check_device({"x": x, "dout": dout, "dfinal_state": dfinal_state}, backend, head_size, b.shape[3],
+                  split_state=True)
     state_dtype = torch.promote_types(x.dtype, torch.float32)
     return (*args[:-1], dout.to(x.dtype).contiguous(),
             None if dfinal_state is None else dfinal_state.to(state_dtype).contiguous(), chunk_size)

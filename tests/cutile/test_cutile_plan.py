@@ -20,9 +20,8 @@ def cpu_as_cuda(monkeypatch):
     check_limits = validation._check_cutile_limits
     monkeypatch.setattr(validation, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(validation, "_check_cutile_limits",
-                        lambda device, head_size, state_size: check_limits(torch.device("cuda", 0), head_size,
-                                                                           state_size)
-                        if device.type == "cpu" else check_limits(device, head_size, state_size))
+                        lambda device, *sizes: check_limits(torch.device("cuda", 0), *sizes)
+                        if device.type == "cpu" else check_limits(device, *sizes))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
     plan.forget()

@@ -38,6 +38,8 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
     A repeated call's checks and config come from its plan (plan.py)."""
     if wanted(x, a, b, c, d, dt, init_state):
         return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, "cutile")
+    if getattr(b, "ndim", 0) == 4 and b.shape[3] > MAX_STATE:
+        return split_state_forward(x, a, b, c, d, dt, init_state, chunk_size)
     key = plan.signature("forward", x, a, b, c, d, dt, init_state, chunk_size)
     config = plan.planned(key)
     if config is None:
@@ -49,6 +51,23 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
     if config is None:
         plan.remember(key, stages.config)
     return stages.out, stages.final_state
+
+
+MAX_STATE = 256  # the widest state a kernel carries; wider ones run in halves
+
+
+def split_state_forward(x, a, b, c, d, dt, init_state, chunk_size):
+    """state_size 512: every state column evolves on its own, so the op is the sum of two runs on
+    the halves of b and c (outputs) and their final states side by side. x is read twice."""
+    x, a, b, c, d, dt, init_state, chunk_size = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size,
+                                                                   backend="cutile")
+    outs, finals = [], []
+    for half, skip in ((slice(None, MAX_STATE), d), (slice(MAX_STATE, None), torch.zeros_like(d))):
+        init = None if init_state is None else init_state[..., half]
+        out, final = mamba2_chunk_forward(x, a, b[..., half], c[..., half], skip, dt, init, chunk_size)
+        outs.append(out)
+        finals.append(final)
+    return (outs[0].float() + outs[1].float()).to(x.dtype), torch.cat(finals, -1)
 
 
 class compile_errors_explained:  # noqa: N801 (used as `with compile_errors_explained():`)
