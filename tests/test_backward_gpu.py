@@ -11,17 +11,13 @@ from tilegym_mamba2.cutile.launch import poisoned_outputs
 from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
 from tilegym_mamba2.reference import chunked_forward_reference
 
+from gpu_checks import fresh_seed, rel_err  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 # ‖g − ref‖ / ‖ref‖ for every gradient.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 5e-3}
 ERRORS_LOG = os.environ.get("TILEGYM_MAMBA2_GRAD_LOG")  # one line per checked gradient, for the notes
-
-
-def rel_err(got, ref):
-    got, ref = got.double(), ref.double()
-    assert not torch.isnan(got).any(), "NaN in a gradient (an unwritten element or an overflow)"
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check(name, grads, refs, dtype, label):
@@ -60,7 +56,7 @@ PLAIN_CASES = [
 
 @pytest.mark.parametrize("batch,tokens,groups,heads,state,head,dtype,with_init", PLAIN_CASES)
 def test_chunk_backward_matches_float64(batch, tokens, groups, heads, state, head, dtype, with_init):
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     x, a, b, c, dt_raw, g = inputs(batch, tokens, groups, heads, state, head, dtype, seed)
     dt = torch.nn.functional.softplus(dt_raw)
     d = torch.randn(heads, device="cuda", generator=g)
@@ -122,7 +118,7 @@ def layer_case(options, batch, tokens, groups, heads, state, head, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_layer_autograd_matches_float64(name, dtype):
     options = LAYER_OPTIONS[name]
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     batch = 1 if options.get("cu_seqlens") else 2
     x, dt_raw, A, B, C, kw, g = layer_case(options, batch, 777, 2, 4, 64, 64, dtype, seed)
     varlen = bool(options.get("varlen"))
@@ -158,7 +154,7 @@ def test_layer_autograd_matches_float64(name, dtype):
 def test_layer_gradients_next_to_mamba_ssm():
     """Same bf16 inputs through mamba_ssm's autograd: ours is no further from float64."""
     ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     for name in ("mixer", "seq_idx", "channel_d_clamp"):
         options = LAYER_OPTIONS[name]
         x, dt_raw, A, B, C, kw, g = layer_case(options, 2, 2048, 1, 8, 128, 64, torch.bfloat16, seed)
@@ -189,7 +185,7 @@ def test_layer_gradients_next_to_mamba_ssm():
 
 def test_plain_op_autograd_and_compile():
     """mamba2_chunk_forward under autograd equals mamba2_chunk_backward, eager and compiled."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     x, a, b, c, dt_raw, g = inputs(2, 500, 1, 4, 128, 64, torch.bfloat16, seed)
     dt = torch.nn.functional.softplus(dt_raw)
     d = torch.randn(4, device="cuda", generator=g)
@@ -212,7 +208,7 @@ def test_plain_op_autograd_and_compile():
 def test_state_512_under_tilegym_backend_switch():
     """tilegym's own grid has state_size 512: with our op in the "cutile" slot it still runs."""
     import tilegym
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     x, a, b, c, dt_raw, g = inputs(2, 256, 1, 4, 512, 64, torch.bfloat16, seed)
     dt = torch.nn.functional.softplus(dt_raw)
     d = torch.randn(4, device="cuda", generator=g)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .validation import _capability, _expect_float, _expect_shape, _expect_tensor
+from .validation import _expect_float, _expect_shape, _expect_tensor, check_cutile_device
 
 CUTILE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PYTORCH_DTYPES = CUTILE_DTYPES + (torch.float64,)
@@ -260,11 +260,4 @@ def _check_devices(tensors: dict, backend: str):
         raise ValueError(f"all tensors must be on one device, got {where}")
     if backend != "cutile":
         return
-    device = next(iter(devices))
-    if device.type != "cuda":
-        raise ValueError(f"the cutile backend needs CUDA tensors, got tensors on {device}; "
-                         "move them with .cuda() or call with backend=\"pytorch\"")
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    if major < 8:
-        raise ValueError(f"the cutile backend needs a GPU of compute capability 8.0 or newer, "
-                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+    check_cutile_device(next(iter(devices)))

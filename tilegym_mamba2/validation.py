@@ -124,6 +124,17 @@ def _check_device(tensors: dict, backend: str, head_size: int, state_size: int, 
 
 
 def _check_cutile_limits(device: torch.device, head_size: int, state_size: int, split_state: bool = False):
+    check_cutile_device(device)
+    for name, size, sizes in (("head_size (last dimension of x)", head_size, CUTILE_DIMS),
+                              ("state_size (last dimension of b and c)", state_size,
+                               CUTILE_DIMS + ((CUTILE_SPLIT_STATE,) if split_state else ()))):
+        if size not in sizes:
+            raise ValueError(f"{name} must be one of {sizes} for the cutile backend, got {size}; "
+                             "the pytorch backend takes any size")
+
+
+def check_cutile_device(device: torch.device):
+    """Every cutile op's device rule: CUDA, compute capability 8.0 or newer."""
     if device.type != "cuda":
         raise ValueError(f"the cutile backend needs CUDA tensors, got tensors on {device}; "
                          "move them with .cuda() or call with backend=\"pytorch\"")
@@ -131,12 +142,6 @@ def _check_cutile_limits(device: torch.device, head_size: int, state_size: int, 
     if major < 8:
         raise ValueError(f"the cutile backend needs a GPU of compute capability 8.0 or newer, "
                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
-    for name, size, sizes in (("head_size (last dimension of x)", head_size, CUTILE_DIMS),
-                              ("state_size (last dimension of b and c)", state_size,
-                               CUTILE_DIMS + ((CUTILE_SPLIT_STATE,) if split_state else ()))):
-        if size not in sizes:
-            raise ValueError(f"{name} must be one of {sizes} for the cutile backend, got {size}; "
-                             "the pytorch backend takes any size")
 
 
 @functools.cache

@@ -24,22 +24,8 @@ KERNELS = ["chunk_cumsum_kernel", "segment_states_kernel", "state_scan_kernel", 
 SMALL = dict(batch=1, tokens=100, heads=4, head_size=32, state_size=64, chunk_size=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fresh_compile_cache(tmp_path_factory):
-    """Points cuTile's disk cache at an empty directory for this module, the way
-    ct.compiler_timeout changes the context's config."""
-    try:
-        from cuda.tile._cext import default_tile_context
-        config = default_tile_context.config
-        previous = config.cache_dir
-    except (ImportError, AttributeError):  # another cuTile layout: keep its cache
-        yield
-        return
-    config.cache_dir = str(tmp_path_factory.mktemp("cutile-cache"))
-    try:
-        yield
-    finally:
-        config.cache_dir = previous
+# Each cubin here comes from tileiras, not from an earlier run's cache (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_compile_cache")
 
 
 def check_compiled(results):

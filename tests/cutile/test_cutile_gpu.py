@@ -16,20 +16,12 @@ from tilegym_mamba2.reference import chunked_forward_reference, decay_cumsum_ref
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.validation import check_forward_args
 
+from gpu_checks import fresh_seed, rel_err  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 # ‖y − ref‖ / ‖ref‖ against float64 on the same (rounded) inputs.
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 4e-3, torch.float32: 2e-3}
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def rel_err(got, ref):
-    got, ref = got.double(), ref.double()
-    assert not torch.isnan(got).any(), "NaN in output (an unwritten element or an overflow)"
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def sample(batch, tokens, groups, heads, state, head, chunk, dtype=torch.bfloat16, seed=None):

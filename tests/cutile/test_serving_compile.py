@@ -17,21 +17,8 @@ from tilegym_mamba2.cutile.aot import (compile_conv_kernels, compile_conv_update
 from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fresh_compile_cache(tmp_path_factory):
-    """An empty cuTile disk cache for this module, so every cubin comes from tileiras."""
-    try:
-        from cuda.tile._cext import default_tile_context
-        config = default_tile_context.config
-        previous = config.cache_dir
-    except (ImportError, AttributeError):
-        yield
-        return
-    config.cache_dir = str(tmp_path_factory.mktemp("cutile-cache"))
-    try:
-        yield
-    finally:
-        config.cache_dir = previous
+# Each cubin here comes from tileiras, not from an earlier run's cache (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_compile_cache")
 
 
 def check_one(results, name):

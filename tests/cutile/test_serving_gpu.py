@@ -11,20 +11,12 @@ import torch
 import tilegym_mamba2
 from tilegym_mamba2.cutile.launch import poisoned_outputs
 
+from gpu_checks import fresh_seed, rel_err  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 # ‖y − ref‖ / ‖ref‖ for outputs in each dtype (one rounding of a short fp32 computation).
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def rel_err(got, ref):
-    got, ref = got.double(), ref.double()
-    assert not torch.isnan(got).any(), "NaN in output (an unwritten element or an overflow)"
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def as64(kw):

@@ -1,0 +1,15 @@
+"""Helpers of the GPU tests: fresh seeds and NaN-refusing relative errors."""
+import os
+
+import torch
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def rel_err(got, ref):
+    """‖got − ref‖ / ‖ref‖ in float64; a NaN (an unwritten element or an overflow) fails."""
+    got, ref = got.double(), ref.double()
+    assert not torch.isnan(got).any(), "NaN in output (an unwritten element or an overflow)"
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
