@@ -24,6 +24,9 @@
 #                                           (FIRST_CALL=0: none), the stages against their loads
 #                                           (LOAD_FLOOR=1, variants/load_floor.py), then the whole op at
 #                                           config variants (CONFIG_VARIANTS, variants/config_op.py)
+#   bash benchmarks/device_check.sh serving 1 GPU, under 4 minutes: bench --serving (the decode and prefill-conv
+#                                           ops against mamba_ssm, causal_conv1d and HF's torch path, and a
+#                                           2-layer HF Mamba-2 patched vs unpatched); serving.json/.png/.log
 # e.g. run(command="source .device/setup.sh && bash benchmarks/device_check.sh tests", carry=[".device"])
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
@@ -77,6 +80,12 @@ eighth)
   grep -E "fwd\+bwd|^\|" "$out/backward.log"
   timeout "${HOST_S:-60}" python3 benchmarks/variants/host_time.py planned > "$out/host_time.log" 2>&1
   grep -v -i warn "$out/host_time.log" | cut -c1-160 | tail -12
+  ;;
+serving)
+  # Issue 14's speed figures, one GPU, one process (each part fails alone; the JSON is written
+  # after every row, so a run cut short keeps what it measured). No network: no hub downloads.
+  export HF_HUB_OFFLINE=1
+  timeout 240 python3 -m tilegym_mamba2 bench --serving --json $out/serving.json --png $out/serving.png > $out/serving.log 2>&1; tail -30 $out/serving.log
   ;;
 backward)
   # The backward's GPU tests (gradient errors logged one line each) next to the layer op's forward
@@ -217,5 +226,5 @@ host)
   grep -A8 "^| B, T" "$out/bench.log"
   grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$out/gpu_tests.log" | tail -15
   ;;
-*) echo "usage: $0 tests|bench|x4|x2|explore|verify|host" >&2; exit 2 ;;
+*) echo "usage: $0 tests|bench|serving|backward|eighth|x4|x2|explore|verify|host" >&2; exit 2 ;;
 esac

@@ -34,6 +34,10 @@ def main(argv=None):
                             "batches) against mamba_ssm's")
     bench.add_argument("--backward", action="store_true",
                        help="forward + backward (training), ours vs tilegym's and mamba_ssm's, gradients checked")
+    bench.add_argument("--serving", action="store_true",
+                       help="instead: the decode and prefill-conv ops (selective_state_update, causal_conv1d_fn, "
+                            "causal_conv1d_update) against mamba_ssm, causal_conv1d and HF's torch path, and a "
+                            "2-layer HF Mamba-2 model patched vs unpatched")
     bench.add_argument("--stages", action="store_true",
                        help="instead: time each stage of our op alone, next to the whole call")
     tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
@@ -158,6 +162,17 @@ def bench_cmd(args) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
         print(backward_table(rows))
+        return 0
+    if args.serving:
+        from .bench_serving import notes_text, plot_serving, run_serving_bench, serving_table
+        result = run_serving_bench(out_json=args.json)
+        print(serving_table(result["rows"], result["meta"].get("copy_bandwidth_bytes_per_s")))
+        if args.png:
+            try:
+                plot_serving(result["rows"], args.png, title=f"Mamba-2 serving ops, {result['meta']['gpu']}")
+            except ImportError as e:
+                result["notes"]["png"] = f"not drawn: {e}"
+        print(notes_text(result["notes"]))
         return 0
     if args.layer:
         from .bench_layer import layer_table, run_layer_bench
