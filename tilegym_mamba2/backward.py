@@ -81,8 +81,9 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
     dt is the processed dt [batch, tokens, heads]; dy [batch, tokens, heads, head_size] in x's
     dtype; dfinal_states [batch, heads, head_size, state_size], dvarlen_states
     [num_sequences, ...] or None.
-    -> (dx, dB, dC, ddt, dA, dinitial_states or None, y or None) in the accumulation dtype (fp32,
-    or fp64 for fp64 inputs); dx without the skip term; y (the forward's) when ``want_y``."""
+    -> (dxs, dB, dC, ddt, dA, dinitial_states or None, y or None): dxs = dh_t b_t in dy's dtype
+    (input_grad makes dx of it), the rest in the accumulation dtype (fp32, or fp64 for fp64
+    inputs); y (the forward's) when ``want_y``."""
     batch, tokens, heads, _ = x.shape
     groups = B.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -137,14 +138,15 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
     init_t = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
     dc_heads = scan(_per_head(B, heads), x, dy, dt, log_decay, init_t, seq_idx, cu_seqlens)[0]
     rev_init_t = None if rev_init is None else rev_init.transpose(-1, -2).contiguous()
-    x_dt = (x.to(acc) * dt[..., None]).to(x.dtype)
-    db_heads = scan(_per_head(c_rev, heads), dy_rev, _reverse(x_dt, pad), ones, rev_decay, rev_init_t, seq_rev,
-                    cu_rev)[0]
+    x_dt_rev = _reverse(x, pad)
+    torch.mul(x_dt_rev, _reverse(dt, pad)[..., None], out=x_dt_rev)  # x * dt, rounded once
+    db_heads = scan(_per_head(c_rev, heads), dy_rev, x_dt_rev, ones, rev_decay, rev_init_t, seq_rev, cu_rev)[0]
     dC = _group_sums(dc_heads, groups, acc)
     dB = _group_sums(_unreverse(db_heads, pad), groups, acc)
 
-    ddt_input = (x.to(acc) * dxs.to(acc)).sum(-1)
-    dxs = dxs.to(acc)
+    # Elementwise passes over [batch, tokens, heads, head_size] are most of the backward's
+    # memory traffic: products in the inputs' dtype, sums and the rest in acc.
+    ddt_input = (x * dxs).sum(-1, dtype=acc)
     if exact:
         dl = kernels.decay_grad(x, B, C, dy, seq_idx, states, rev[3]).to(acc)
         if per_sequence_init:
@@ -159,7 +161,6 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
         dl = _sequence_suffix_sums(dg, seq_idx)
     ddt = ddt_input + A.to(acc) * dl
     dA = (dt * dl).sum((0, 1))
-    dx = dt[..., None] * dxs
 
     dinit = None
     if initial_states is not None:
@@ -173,7 +174,16 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
                 dinit = dinit * (seq_idx[:, 0] == 0)[:, None, None, None]
     if row_init_as_sequences:
         dinit = dinit[:1]
-    return dx, dB, dC, ddt, dA, dinit, (y if want_y else None)
+    return dxs, dB, dC, ddt, dA, dinit, (y if want_y else None)
+
+
+def input_grad(dxs, dt, dy, skip, dtype):
+    """dx = dt * (dh b) + skip * dy in ``dtype``, rounded once (fewer full-size passes than
+    separate products)."""
+    scaled = dxs * dt[..., None]
+    if skip is None:
+        return scaled.to(dtype)
+    return torch.addcmul(scaled, dy, skip, out=torch.empty(dxs.shape, dtype=dtype, device=dxs.device))
 
 
 def sequence_edge_terms(x, B, C, dy, weight, log_decay, cu_seqlens, seq_idx, starts, ends):
@@ -293,18 +303,17 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
         dD = (dy * xs).sum((0, 1))
         dD = (dD.sum(-1) if D.ndim == 1 else dD).to(D.dtype)
 
-    dx, dB, dC, ddt, dA, dinit, y = scan_backward(
+    dxs, dB, dC, ddt, dA, dinit, y = scan_backward(
         kernels, x, A, B, C, dt, dy.to(x.dtype), initial_states=initial_states, seq_idx=seq_idx,
         cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None)
     dz = None
     if z is not None:
         pre_gate = y.to(acc) if skip is None else y.to(acc) + skip * xs
         dz = (dout * pre_gate * gate * (1 + z.to(acc) * (1 - gate))).to(z.dtype)
-    if skip is not None:
-        dx = dx + skip * dy
+    dx = input_grad(dxs, dt, dy, skip, x.dtype)
     ddt_raw = ddt * process_dt_slope(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
     ddt_bias = None if dt_bias is None else ddt_raw.sum((0, 1)).to(dt_bias.dtype)
-    return (dx.to(x.dtype), ddt_raw.to(dt_raw.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
+    return (dx, ddt_raw.to(dt_raw.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
             None if dinit is None else dinit.to(initial_states.dtype))
 
 
@@ -313,12 +322,11 @@ def chunk_backward(kernels, x, a, b, c, d, dt, init_state, dout, dfinal_state):
     dx, db, dc in x's dtype, ddt in dt's, da, dd and dinit_state in fp32 (fp64 for fp64 inputs);
     dinit_state is zeros when init_state is None."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    dx, db, dc, ddt, da, dinit, _ = scan_backward(kernels, x, a, b, c, dt, dout, initial_states=init_state,
-                                                  dfinal_states=dfinal_state)
-    dout = dout.to(acc)
-    dx = dx + d.to(acc)[:, None] * dout
-    dd = (dout * x.to(acc)).sum((0, 1, 3))
+    dxs, db, dc, ddt, da, dinit, _ = scan_backward(kernels, x, a, b, c, dt, dout, initial_states=init_state,
+                                                   dfinal_states=dfinal_state)
+    dx = input_grad(dxs, dt.to(acc), dout, d.to(acc)[:, None], x.dtype)
+    dd = (dout * x).sum((0, 1, 3), dtype=acc)
     if dinit is None:
         batch, _, heads, head_size = x.shape
         dinit = torch.zeros(batch, heads, head_size, b.shape[3], dtype=acc, device=x.device)
-    return dx.to(x.dtype), da, db.to(b.dtype), dc.to(c.dtype), dd, ddt.to(dt.dtype), dinit
+    return dx, da, db.to(b.dtype), dc.to(c.dtype), dd, ddt.to(dt.dtype), dinit
