@@ -2,6 +2,8 @@
 the same models unpatched (transformers' torch path: neither mamba_ssm nor causal_conv1d is
 installed). Small random models built from configs; nothing is downloaded."""
 import copy
+import importlib.util
+import inspect
 import types
 
 import pytest
@@ -14,9 +16,20 @@ from tilegym_mamba2.transformers import (  # noqa: E402
     apply_tilegym_kernel_to_mamba2,
     revert_tilegym_kernel_to_mamba2,
 )
+from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
 
 OURS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined")
+
+# Which of transformers' two mixer structures is installed (read here, not from the module under
+# test): 5.3's mixer has torch_forward and cuda_kernels_forward; 5.17's (from 5.16 on) has one
+# forward that calls module functions with a torch fallback.
+STRUCTURE_5_3 = hasattr(Mamba2Mixer, "cuda_kernels_forward")
+# The module-level name the mixer calls for each of our functions.
+MODULE_NAMES = dict(zip(OURS, OURS if STRUCTURE_5_3 else (
+    "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")))
+only_5_17 = pytest.mark.skipif(STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.3's mixer")
+only_5_3 = pytest.mark.skipif(not STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.17's mixer")
 
 VOCAB = 128
 NEW_TOKENS = 12
@@ -63,8 +76,9 @@ def calls(monkeypatch):
     """Counts calls of our four functions (and the backend each was asked for)."""
     counts = {name: 0 for name in OURS}
     backends = set()
+    real_functions = {name: getattr(tilegym_mamba2, name) for name in OURS}
     for name in OURS:
-        real = getattr(tilegym_mamba2, name)
+        real = real_functions[name]
 
         def spy(*args, _real=real, _name=name, **kwargs):
             counts[_name] += 1
@@ -72,12 +86,20 @@ def calls(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(tilegym_mamba2, name, spy)
-    yield types.SimpleNamespace(counts=counts, backends=backends)
+    yield types.SimpleNamespace(counts=counts, backends=backends, real=real_functions)
 
 
 def expected_calls(layers, prompts=1, decode_steps=NEW_TOKENS - 1):
     return {"causal_conv1d_fn": layers * prompts, "mamba_chunk_scan_combined": layers * prompts,
             "causal_conv1d_update": layers * decode_steps, "selective_state_update": layers * decode_steps}
+
+
+def cache_tensors(cache):
+    """The tensors a Mamba2 model's cache keeps, in a fixed order: 5.3's Mamba2Cache holds all
+    layers in two tensors; 5.17's DynamicCache a conv and a recurrent state per layer."""
+    if STRUCTURE_5_3:
+        return [cache.conv_states, cache.ssm_states]
+    return [state for layer in cache.layers for state in (layer.conv_states[0], layer.recurrent_states[0])]
 
 
 def assert_logits_close(ours, ref, tol=1e-4):
@@ -86,17 +108,27 @@ def assert_logits_close(ours, ref, tol=1e-4):
 
 
 def test_unpatched_model_takes_the_torch_path(monkeypatch):
-    # What the CPU comparisons rely on: on CPU tensors transformers' own forward is torch_forward.
+    # What the CPU comparisons rely on: transformers' own torch code, with neither package found.
+    assert importlib.util.find_spec("mamba_ssm") is None and importlib.util.find_spec("causal_conv1d") is None
     seen = []
-    torch_forward = Mamba2Mixer.torch_forward
+    if STRUCTURE_5_3:  # forward takes torch_forward on CPU tensors
+        torch_forward = Mamba2Mixer.torch_forward
 
-    def spy(self, *args, **kwargs):
-        seen.append(self.layer_idx)
-        return torch_forward(self, *args, **kwargs)
+        def spy(self, *args, **kwargs):
+            seen.append(self.layer_idx)
+            return torch_forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(Mamba2Mixer, "torch_forward", spy)
+        monkeypatch.setattr(Mamba2Mixer, "torch_forward", spy)
+    else:  # forward calls the module's scan, which falls back to its torch code
+        scan = getattr(modeling_mamba2, MODULE_NAMES["mamba_chunk_scan_combined"])
+
+        def spy(*args, **kwargs):
+            seen.append(args[0].shape)
+            return scan(*args, **kwargs)
+
+        monkeypatch.setattr(modeling_mamba2, MODULE_NAMES["mamba_chunk_scan_combined"], spy)
     logits(tiny_mamba2(), prompt())
-    assert seen == [0, 1]
+    assert seen == ([0, 1] if STRUCTURE_5_3 else [(2, 37, 4, 32)] * 2)
 
 
 def test_model_patch_matches_torch_path_prefill_and_decode(calls):
@@ -138,9 +170,8 @@ def test_decode_matches_torch_path_step_by_step(calls):
             ref = ref_model(token, cache_params=ref.cache_params, use_cache=True, cache_position=position)
             out = model(token, cache_params=out.cache_params, use_cache=True, cache_position=position)
             assert_logits_close(out.logits, ref.logits)
-            torch.testing.assert_close(out.cache_params.ssm_states, ref.cache_params.ssm_states, rtol=1e-4,
-                                       atol=1e-5)
-            torch.testing.assert_close(out.cache_params.conv_states, ref.cache_params.conv_states)
+            for ours, theirs in zip(cache_tensors(out.cache_params), cache_tensors(ref.cache_params), strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert calls.counts["selective_state_update"] == 5 * 2
 
 
@@ -201,36 +232,46 @@ def test_patching_twice_does_not_stack(calls):
 
 
 def test_flags_choose_the_pieces(calls, monkeypatch):
-    from transformers.models.mamba2 import modeling_mamba2
-
     ref_model = tiny_mamba2(seed=9)
     ids = prompt(seed=10)
     ref_tokens = greedy(ref_model, ids)
-    # What transformers finds without mamba_ssm and causal_conv1d (set here too, for machines
-    # that have them): a piece left out then runs our pytorch backend.
-    for name in OURS:
-        monkeypatch.setattr(modeling_mamba2, name, None)
-    for conv1d, ssm in ((False, True), (True, False)):
-        model = copy.deepcopy(ref_model)
-        apply_tilegym_kernel_to_mamba2(conv1d=conv1d, ssm=ssm, model=model)
-        calls.counts.update({name: 0 for name in OURS})
-        calls.backends.clear()
-        assert torch.equal(greedy(model, ids), ref_tokens)
-        assert calls.counts == expected_calls(layers=2)
-        assert calls.backends == {None, "pytorch"}
+    pieces = {"conv1d": ("causal_conv1d_fn", "causal_conv1d_update"),
+              "ssm": ("mamba_chunk_scan_combined", "selective_state_update")}
+    if STRUCTURE_5_3:
+        # What transformers 5.3 finds without mamba_ssm and causal_conv1d (set here too, for
+        # machines that have them): a piece left out then runs our pytorch backend.
+        with monkeypatch.context() as names:
+            for name in OURS:
+                names.setattr(modeling_mamba2, MODULE_NAMES[name], None)
+            for left_out in pieces:
+                model = copy.deepcopy(ref_model)
+                apply_tilegym_kernel_to_mamba2(**{left_out: False}, model=model)
+                calls.counts.update({name: 0 for name in OURS})
+                calls.backends.clear()
+                assert torch.equal(greedy(model, ids), ref_tokens)
+                assert calls.counts == expected_calls(layers=2)
+                assert calls.backends == {None, "pytorch"}
 
-    # Where transformers found kernels, a piece left out calls those.
+    # Where transformers has a function for a piece (5.3: the package is installed; 5.17: always,
+    # with its torch code as the fallback), a piece left out calls that, and ours only the other.
     found = []
-    for name in ("causal_conv1d_fn", "causal_conv1d_update"):
-        def installed(*args, _name=name, **kwargs):
+    for name in OURS:
+        def installed(*args, _name=name, _transformers=getattr(modeling_mamba2, MODULE_NAMES[name]), **kwargs):
             found.append(_name)
-            return getattr(tilegym_mamba2, _name)(*args, backend="pytorch", **kwargs)
+            if _transformers is None:  # 5.3 without the package: stand in with our pytorch backend
+                return calls.real[_name](*args, backend="pytorch", **kwargs)
+            return _transformers(*args, **kwargs)
 
-        monkeypatch.setattr(modeling_mamba2, name, installed)
-    model = copy.deepcopy(ref_model)
-    apply_tilegym_kernel_to_mamba2(conv1d=False, model=model)
-    assert torch.equal(greedy(model, ids), ref_tokens)
-    assert found.count("causal_conv1d_fn") == 2 and found.count("causal_conv1d_update") == 22
+        monkeypatch.setattr(modeling_mamba2, MODULE_NAMES[name], installed)
+    expected = expected_calls(layers=2)
+    for left_out, names in pieces.items():
+        model = copy.deepcopy(ref_model)
+        apply_tilegym_kernel_to_mamba2(**{left_out: False}, model=model)
+        found.clear()
+        calls.counts.update({name: 0 for name in OURS})
+        assert torch.equal(greedy(model, ids), ref_tokens)
+        assert sorted(found) == sorted(name for name in names for _ in range(expected[name]))
+        assert calls.counts == {name: 0 if name in names else expected[name] for name in OURS}
 
 
 def test_use_cutile_asks_for_the_cutile_backend(monkeypatch):
@@ -279,14 +320,35 @@ def test_model_without_a_mixer_is_refused():
 
 
 def test_unexpected_mixer_structure_names_the_version(monkeypatch):
-    monkeypatch.delattr(Mamba2Mixer, "cuda_kernels_forward")
-    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}.*cuda_kernels_forward"):
+    # A mixer in neither structure: no cuda_kernels_forward, and a forward that calls no kernel.
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        return self.out_proj(hidden_states)
+
+    monkeypatch.delattr(Mamba2Mixer, "cuda_kernels_forward", raising=False)
+    monkeypatch.setattr(Mamba2Mixer, "forward", forward)
+    message = (f"transformers {transformers.__version__}: Mamba2Mixer has no cuda_kernels_forward method .*"
+               f"forward calls none of causal_conv1d_fn, causal_conv1d_update, mamba2_selective_state_update")
+    with pytest.raises(RuntimeError, match=message):
         apply_tilegym_kernel_to_mamba2()
-    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}"):
+    with pytest.raises(RuntimeError, match=message):
         apply_tilegym_kernel_to_mamba2(model=tiny_mamba2())
 
 
+def test_mixer_calling_some_kernels_is_refused(monkeypatch):
+    # The structure's method calls the convolution but neither scan: refused, naming the scans.
+    def partial(self, hidden_states, cache_params=None, cache_position=None, attention_mask=None, **kwargs):
+        return causal_conv1d_update(causal_conv1d_fn(hidden_states))  # noqa: F821 (names only: never called)
+
+    monkeypatch.setattr(Mamba2Mixer, "cuda_kernels_forward" if STRUCTURE_5_3 else "forward", partial)
+    scans = ", ".join(MODULE_NAMES[name] for name in ("selective_state_update", "mamba_chunk_scan_combined"))
+    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}: Mamba2Mixer.* no longer calls "
+                                           f"{scans}, mamba2?_split_conv1d_scan_combined"):
+        apply_tilegym_kernel_to_mamba2()
+
+
+@only_5_3
 def test_changed_forward_signature_is_refused(monkeypatch):
+    # 5.3's patch runs cuda_kernels_forward with forward's arguments: the two must agree.
     def forward(self, hidden_states, cache_params=None, attention_mask=None):
         raise AssertionError("not called")
 
