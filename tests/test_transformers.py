@@ -192,6 +192,49 @@ def test_left_padding_masked_as_torch_path(calls):
     assert calls.counts["selective_state_update"] > 0
 
 
+@only_5_17
+def test_prefill_continued_on_the_cache(calls):
+    # 5.17 runs a multi-token forward onto a filled cache as a prefill from the cached states: the
+    # convolution over the cached inputs and the new ones, the scan from the cached state.
+    ref_model = tiny_mamba2(seed=17)
+    model = copy.deepcopy(ref_model)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids = prompt(tokens=40, seed=18)
+    first, rest = ids[:, :23], ids[:, 23:]
+    with torch.no_grad():
+        ref, out = ref_model(first, use_cache=True), model(first, use_cache=True)
+        ref = ref_model(rest, cache_params=ref.cache_params, use_cache=True)
+        out = model(rest, cache_params=out.cache_params, use_cache=True)
+    assert_logits_close(out.logits, ref.logits)
+    assert_logits_close(out.logits, logits(ref_model, ids)[:, 23:])  # the cache carried the first part
+    for ours, theirs in zip(cache_tensors(out.cache_params), cache_tensors(ref.cache_params), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert calls.counts["mamba_chunk_scan_combined"] == 2 * 2 and calls.counts["selective_state_update"] == 0
+
+
+@only_5_17
+def test_forward_decorator_is_kept(calls):
+    # 5.17 wraps forward to fire the accelerate hook of conv1d, whose weights the kernels read
+    # directly (offloading); the patched forward runs inside the same wrapper.
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    events = []
+
+    class Hook:
+        def pre_forward(self, module):
+            events.append(("pre", module))
+
+        def post_forward(self, module, output):
+            events.append(("post", module))
+
+    convs = [layer.mixer.conv1d for layer in model.backbone.layers]
+    for conv in convs:
+        conv._hf_hook = Hook()
+    logits(model, prompt())
+    assert events == [(when, conv) for conv in convs for when in ("pre", "post")]
+    assert calls.counts["mamba_chunk_scan_combined"] == 2
+
+
 def test_class_patch_covers_models_built_before_and_after(calls):
     before = tiny_mamba2(seed=7)
     reference = copy.deepcopy(before)
@@ -358,7 +401,10 @@ def test_changed_forward_signature_is_refused(monkeypatch):
 
 
 # Other transformers models whose mixers have Mamba2Mixer's structure (hybrids with attention
-# layers); tiny configs with two Mamba layers each.
+# layers); tiny configs with two Mamba layers each. FalconH1 (attention and Mamba side by side in
+# every layer) only under 5.17's structure: by default (no mixer RMSNorm) the gate goes into the
+# decode kernel; with the RMSNorm, batch 1, since 5.17's FalconH1RMSNormGated turns a decode step
+# of batch b into [b, b, hidden] (in transformers' own path as well).
 HYBRIDS = {
     "bamba": lambda: transformers.BambaConfig(
         num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
@@ -374,16 +420,22 @@ HYBRIDS = {
         num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
         mamba_ngroups=2, chunk_size=16, num_mem_blocks=1, adapter_rank=8, use_mem_rope=True, **HYBRID_COMMON),
 }
+FALCON_H1 = lambda **kw: transformers.FalconH1Config(  # noqa: E731
+    num_hidden_layers=2, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+    mamba_chunk_size=16, **kw, **HYBRID_COMMON)
+HYBRIDS_5_17 = {"falcon_h1": lambda: FALCON_H1(), "falcon_h1-rmsnorm": lambda: FALCON_H1(mamba_rms_norm=True)}
+PROMPT_BATCH = {"falcon_h1-rmsnorm": 1}
 HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 
 
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+@pytest.mark.parametrize("model_type", [*sorted(HYBRIDS), *(pytest.param(m, marks=only_5_17) for m in HYBRIDS_5_17)])
 def test_hybrid_models_match_their_torch_path(model_type, calls):
     torch.manual_seed(11)
-    ref_model = transformers.AutoModelForCausalLM.from_config(HYBRIDS[model_type]()).eval()
+    config = (HYBRIDS | HYBRIDS_5_17)[model_type]()
+    ref_model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model = copy.deepcopy(ref_model)
-    ids = prompt(seed=12)
+    ids = prompt(batch=PROMPT_BATCH.get(model_type, 2), seed=12)
     ref_logits, ref_tokens = logits(ref_model, ids), greedy(ref_model, ids)
     assert all(n == 0 for n in calls.counts.values())
 
@@ -394,19 +446,46 @@ def test_hybrid_models_match_their_torch_path(model_type, calls):
     assert calls.counts == expected_calls(layers=2)
 
 
+@only_5_3
+def test_falcon_h1_left_alone_under_5_3():
+    # 5.3's FalconH1Mixer.cuda_kernels_forward enters torch.cuda.device: not checked on a CPU, so not patched.
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
+
+    apply_tilegym_kernel_to_mamba2()
+    assert not hasattr(FalconH1Mixer.forward, "_tilegym_mamba2_original")
+    with pytest.raises(ValueError, match="FalconH1ForCausalLM has no Mamba-2 mixer"):
+        apply_tilegym_kernel_to_mamba2(model=transformers.AutoModelForCausalLM.from_config(FALCON_H1()))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: bf16 on CUDA, our cuTile kernels against transformers' torch path.
 
-def gpu_pair(seed):
+def on_torch_path(models, monkeypatch):
+    """Run these unpatched models on transformers' torch code even where mamba_ssm or causal_conv1d
+    is installed: 5.3's torch_forward; under 5.17 the module functions' own torch code (for every
+    unpatched model: a patched one calls its own private bindings)."""
+    if STRUCTURE_5_3:
+        for model in models:
+            for layer in model.backbone.layers:
+                layer.mixer.forward = layer.mixer.torch_forward
+        return
+    packages = [p for p in ("mamba_ssm", "causal_conv1d", "kernels") if importlib.util.find_spec(p) is not None]
+    for name in MODULE_NAMES.values():
+        torch_code = inspect.unwrap(getattr(modeling_mamba2, name))
+        if torch_code.__module__ == modeling_mamba2.__name__:
+            monkeypatch.setattr(modeling_mamba2, name, torch_code)
+        else:  # not a plain wrapper of transformers' own function: only fine with nothing to prefer
+            assert not packages, f"cannot reach the torch code of {name} with {packages} installed"
+
+
+def gpu_pair(seed, monkeypatch):
     """(bf16 model on transformers' torch path, the same patched, the torch path in fp32)."""
     ref_model = tiny_mamba2(dtype=torch.bfloat16, device="cuda", seed=seed, hidden_size=256, num_heads=8,
                             head_dim=64, state_size=64, n_groups=1, chunk_size=64, initializer_range=0.1)
     model = copy.deepcopy(ref_model)
     apply_tilegym_kernel_to_mamba2(model=model)
     fp32_model = copy.deepcopy(ref_model).float()
-    for reference in (ref_model, fp32_model):  # torch_forward even where mamba_ssm is installed
-        for layer in reference.backbone.layers:
-            layer.mixer.forward = layer.mixer.torch_forward
+    on_torch_path((ref_model, fp32_model), monkeypatch)
     return ref_model, model, fp32_model
 
 
@@ -423,8 +502,8 @@ def decode_logits(model, ids, tokens):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_logits_and_greedy_tokens(calls):
-    ref_model, model, fp32_model = gpu_pair(seed=13)
+def test_gpu_bf16_logits_and_greedy_tokens(calls, monkeypatch):
+    ref_model, model, fp32_model = gpu_pair(seed=13, monkeypatch=monkeypatch)
     ids = prompt(batch=2, tokens=200, device="cuda", seed=14)
     exact = logits(fp32_model, ids)
     ours, torch_path = logits(model, ids), logits(ref_model, ids)
@@ -463,16 +542,16 @@ def test_gpu_bf16_logits_and_greedy_tokens(calls):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_step_in_a_cuda_graph():
+def test_gpu_decode_step_in_a_cuda_graph(monkeypatch):
     """A whole decode step of the patched model captured in a CUDA graph and replayed against
-    the same steps run eagerly. cache_position stays on the host: transformers compares it with
-    0 in Python, which would otherwise read the GPU during capture."""
-    _, model, _ = gpu_pair(seed=15)
+    the same steps run eagerly. cache_position stays on the host: transformers 5.3 compares it
+    with 0 in Python, which would otherwise read the GPU during capture (5.17 ignores it)."""
+    _, model, _ = gpu_pair(seed=15, monkeypatch=monkeypatch)
     ids = prompt(batch=2, tokens=100, device="cuda", seed=16)
     with torch.no_grad():
         prefill = model(ids, use_cache=True)
     cache = prefill.cache_params
-    start = (cache.conv_states.clone(), cache.ssm_states.clone())
+    start = [state.clone() for state in cache_tensors(cache)]
     first = prefill.logits[:, -1].argmax(-1, keepdim=True)
 
     def step(token, position):
@@ -485,9 +564,9 @@ def test_gpu_decode_step_in_a_cuda_graph():
             eager.append(out.clone())
             token = out[:, -1].argmax(-1, keepdim=True)
 
-    def restore():
-        cache.conv_states.copy_(start[0])
-        cache.ssm_states.copy_(start[1])
+    def restore():  # in place: the graph reads and writes these very tensors
+        for state, saved in zip(cache_tensors(cache), start, strict=True):
+            state.copy_(saved)
 
     static_token = first.clone()
     position = torch.tensor([ids.shape[1]])  # any value > 0: the decode branch
