@@ -96,8 +96,8 @@ def expected_calls(layers, prompts=1, decode_steps=NEW_TOKENS - 1):
 
 def cache_tensors(cache):
     """The tensors a Mamba2 model's cache keeps, in a fixed order: 5.3's Mamba2Cache holds all
-    layers in two tensors; 5.17's DynamicCache a conv and a recurrent state per layer."""
-    if STRUCTURE_5_3:
+    layers in two tensors; a DynamicCache (5.17) a conv and a recurrent state per layer."""
+    if hasattr(cache, "ssm_states"):
         return [cache.conv_states, cache.ssm_states]
     return [state for layer in cache.layers for state in (layer.conv_states[0], layer.recurrent_states[0])]
 
@@ -392,7 +392,7 @@ def test_mixer_calling_some_kernels_is_refused(monkeypatch):
 @only_5_3
 def test_changed_forward_signature_is_refused(monkeypatch):
     # 5.3's patch runs cuda_kernels_forward with forward's arguments: the two must agree.
-    def forward(self, hidden_states, cache_params=None, attention_mask=None):
+    def forward(self, hidden_states, attention_mask=None):
         raise AssertionError("not called")
 
     monkeypatch.setattr(Mamba2Mixer, "forward", forward)

@@ -9,12 +9,13 @@ How the patch works. A Mamba-2 mixer's code calls five kernels by module-level n
 convolution over the prompt and its one-token update, the chunked scan and its one-token
 update, and a fused training kernel. Transformers has laid this out in two ways (``STRUCTURES``):
 
-- 5.3 (through 5.15): the mixer's ``cuda_kernels_forward`` calls ``causal_conv1d_fn``,
+- 5.3: the mixer's ``cuda_kernels_forward`` calls ``causal_conv1d_fn``,
   ``causal_conv1d_update``, ``selective_state_update``, ``mamba_chunk_scan_combined`` and
   ``mamba_split_conv1d_scan_combined``, bound to mamba_ssm's and causal_conv1d's functions, or
   ``None`` when those are missing (then ``forward`` takes ``torch_forward``).
-- 5.17 (from 5.16): there is one ``forward``; it calls ``causal_conv1d_fn``,
-  ``causal_conv1d_update``, ``mamba2_selective_state_update``, ``mamba2_chunk_scan`` and
+- 5.17 (5.15 on; 5.24 renames forward's ``cache_params`` to ``cache``): there is one
+  ``forward``; it calls ``causal_conv1d_fn``, ``causal_conv1d_update``,
+  ``mamba2_selective_state_update``, ``mamba2_chunk_scan`` and
   ``mamba2_split_conv1d_scan_combined``, module functions that run a Hub kernel, mamba_ssm's or
   causal_conv1d's function when there is one, else transformers' own torch code.
 
