@@ -131,7 +131,7 @@ def test_unpatched_model_takes_the_torch_path(monkeypatch):
     assert seen == ([0, 1] if STRUCTURE_5_3 else [(2, 37, 4, 32)] * 2)
 
 
-def test_model_patch_matches_torch_path_prefill_and_decode(calls):
+def test_model_patch_matches_torch_path_prefill_and_decode(calls, monkeypatch):
     ref_model = tiny_mamba2()
     model = copy.deepcopy(ref_model)
     ids = prompt()
@@ -139,6 +139,9 @@ def test_model_patch_matches_torch_path_prefill_and_decode(calls):
     assert all(n == 0 for n in calls.counts.values())
 
     apply_tilegym_kernel_to_mamba2(model=model)
+    theirs = []  # 5.17: the module functions the patched mixer must not call
+    for name in () if STRUCTURE_5_3 else MODULE_NAMES.values():
+        monkeypatch.setattr(modeling_mamba2, name, lambda *a, _name=name, **k: theirs.append(_name))
     assert_logits_close(logits(model, ids), ref_logits)
     assert calls.counts["mamba_chunk_scan_combined"] == 2 and calls.counts["selective_state_update"] == 0
     calls.counts.update({name: 0 for name in OURS})
@@ -148,6 +151,7 @@ def test_model_patch_matches_torch_path_prefill_and_decode(calls):
     assert torch.equal(tokens, ref_tokens)
     assert calls.counts == expected_calls(layers=2)
     assert calls.backends == {None}  # cuTile for CUDA tensors, the pytorch backend here
+    assert theirs == []
 
     # Only this model's mixers: a model built now is untouched.
     other = tiny_mamba2()
@@ -469,12 +473,12 @@ def on_torch_path(models, monkeypatch):
             for layer in model.backbone.layers:
                 layer.mixer.forward = layer.mixer.torch_forward
         return
-    packages = [p for p in ("mamba_ssm", "causal_conv1d", "kernels") if importlib.util.find_spec(p) is not None]
+    packages = [p for p in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(p) is not None]
     for name in MODULE_NAMES.values():
         torch_code = inspect.unwrap(getattr(modeling_mamba2, name))
         if torch_code.__module__ == modeling_mamba2.__name__:
             monkeypatch.setattr(modeling_mamba2, name, torch_code)
-        else:  # not a plain wrapper of transformers' own function: only fine with nothing to prefer
+        else:  # e.g. a `kernels` layer around it: its torch code is what runs while neither package is there
             assert not packages, f"cannot reach the torch code of {name} with {packages} installed"
 
 

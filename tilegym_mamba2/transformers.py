@@ -32,6 +32,7 @@ import functools
 import importlib
 import inspect
 import logging
+import sys
 import types
 
 import torch
@@ -181,8 +182,6 @@ def _mixer_classes(import_missing: bool):
     """(class, structure, problem) for each supported mixer whose modeling module is importable
     (import_missing) or already imported: structure None and problem the reason when the class
     is shaped as neither structure. Classes a structure leaves out are skipped."""
-    import sys
-
     for model_type, class_name in MIXERS:
         name = f"transformers.models.{model_type}.modeling_{model_type}"
         module = sys.modules.get(name)
