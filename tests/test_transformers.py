@@ -22,7 +22,7 @@ from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
 OURS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined")
 
 # Which of transformers' two mixer structures is installed (read here, not from the module under
-# test): 5.3's mixer has torch_forward and cuda_kernels_forward; 5.17's (from 5.16 on) has one
+# test): 5.3's mixer has torch_forward and cuda_kernels_forward; 5.17's (from 5.15 on) has one
 # forward that calls module functions with a torch fallback.
 STRUCTURE_5_3 = hasattr(Mamba2Mixer, "cuda_kernels_forward")
 # The module-level name the mixer calls for each of our functions.
@@ -108,8 +108,7 @@ def assert_logits_close(ours, ref, tol=1e-4):
 
 
 def test_unpatched_model_takes_the_torch_path(monkeypatch):
-    # What the CPU comparisons rely on: transformers' own torch code, with neither package found.
-    assert importlib.util.find_spec("mamba_ssm") is None and importlib.util.find_spec("causal_conv1d") is None
+    # What the CPU comparisons rely on: the unpatched model runs transformers' own torch code.
     seen = []
     if STRUCTURE_5_3:  # forward takes torch_forward on CPU tensors
         torch_forward = Mamba2Mixer.torch_forward
@@ -119,7 +118,8 @@ def test_unpatched_model_takes_the_torch_path(monkeypatch):
             return torch_forward(self, *args, **kwargs)
 
         monkeypatch.setattr(Mamba2Mixer, "torch_forward", spy)
-    else:  # forward calls the module's scan, which falls back to its torch code
+    else:  # forward calls the module's scan, which falls back to its torch code without mamba_ssm
+        assert importlib.util.find_spec("mamba_ssm") is None and importlib.util.find_spec("causal_conv1d") is None
         scan = getattr(modeling_mamba2, MODULE_NAMES["mamba_chunk_scan_combined"])
 
         def spy(*args, **kwargs):
