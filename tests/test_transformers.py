@@ -2,6 +2,8 @@
 the same models unpatched (transformers' torch path: neither mamba_ssm nor causal_conv1d is
 installed). Small random models built from configs; nothing is downloaded."""
 import copy
+import importlib.util
+import inspect
 import types
 
 import pytest
@@ -14,9 +16,20 @@ from tilegym_mamba2.transformers import (  # noqa: E402
     apply_tilegym_kernel_to_mamba2,
     revert_tilegym_kernel_to_mamba2,
 )
+from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
 
 OURS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined")
+
+# Which of transformers' two mixer structures is installed (read here, not from the module under
+# test): 5.3's mixer has torch_forward and cuda_kernels_forward; 5.17's (from 5.15 on) has one
+# forward that calls module functions with a torch fallback.
+STRUCTURE_5_3 = hasattr(Mamba2Mixer, "cuda_kernels_forward")
+# The module-level name the mixer calls for each of our functions.
+MODULE_NAMES = dict(zip(OURS, OURS if STRUCTURE_5_3 else (
+    "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")))
+only_5_17 = pytest.mark.skipif(STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.3's mixer")
+only_5_3 = pytest.mark.skipif(not STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.17's mixer")
 
 VOCAB = 128
 NEW_TOKENS = 12
@@ -63,8 +76,9 @@ def calls(monkeypatch):
     """Counts calls of our four functions (and the backend each was asked for)."""
     counts = {name: 0 for name in OURS}
     backends = set()
+    real_functions = {name: getattr(tilegym_mamba2, name) for name in OURS}
     for name in OURS:
-        real = getattr(tilegym_mamba2, name)
+        real = real_functions[name]
 
         def spy(*args, _real=real, _name=name, **kwargs):
             counts[_name] += 1
@@ -72,12 +86,20 @@ def calls(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(tilegym_mamba2, name, spy)
-    yield types.SimpleNamespace(counts=counts, backends=backends)
+    yield types.SimpleNamespace(counts=counts, backends=backends, real=real_functions)
 
 
 def expected_calls(layers, prompts=1, decode_steps=NEW_TOKENS - 1):
     return {"causal_conv1d_fn": layers * prompts, "mamba_chunk_scan_combined": layers * prompts,
             "causal_conv1d_update": layers * decode_steps, "selective_state_update": layers * decode_steps}
+
+
+def cache_tensors(cache):
+    """The tensors a Mamba2 model's cache keeps, in a fixed order: 5.3's Mamba2Cache holds all
+    layers in two tensors; a DynamicCache (5.17) a conv and a recurrent state per layer."""
+    if hasattr(cache, "ssm_states"):
+        return [cache.conv_states, cache.ssm_states]
+    return [state for layer in cache.layers for state in (layer.conv_states[0], layer.recurrent_states[0])]
 
 
 def assert_logits_close(ours, ref, tol=1e-4):
@@ -86,20 +108,30 @@ def assert_logits_close(ours, ref, tol=1e-4):
 
 
 def test_unpatched_model_takes_the_torch_path(monkeypatch):
-    # What the CPU comparisons rely on: on CPU tensors transformers' own forward is torch_forward.
+    # What the CPU comparisons rely on: the unpatched model runs transformers' own torch code.
     seen = []
-    torch_forward = Mamba2Mixer.torch_forward
+    if STRUCTURE_5_3:  # forward takes torch_forward on CPU tensors
+        torch_forward = Mamba2Mixer.torch_forward
 
-    def spy(self, *args, **kwargs):
-        seen.append(self.layer_idx)
-        return torch_forward(self, *args, **kwargs)
+        def spy(self, *args, **kwargs):
+            seen.append(self.layer_idx)
+            return torch_forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(Mamba2Mixer, "torch_forward", spy)
+        monkeypatch.setattr(Mamba2Mixer, "torch_forward", spy)
+    else:  # forward calls the module's scan, which falls back to its torch code without mamba_ssm
+        assert importlib.util.find_spec("mamba_ssm") is None and importlib.util.find_spec("causal_conv1d") is None
+        scan = getattr(modeling_mamba2, MODULE_NAMES["mamba_chunk_scan_combined"])
+
+        def spy(*args, **kwargs):
+            seen.append(args[0].shape)
+            return scan(*args, **kwargs)
+
+        monkeypatch.setattr(modeling_mamba2, MODULE_NAMES["mamba_chunk_scan_combined"], spy)
     logits(tiny_mamba2(), prompt())
-    assert seen == [0, 1]
+    assert seen == ([0, 1] if STRUCTURE_5_3 else [(2, 37, 4, 32)] * 2)
 
 
-def test_model_patch_matches_torch_path_prefill_and_decode(calls):
+def test_model_patch_matches_torch_path_prefill_and_decode(calls, monkeypatch):
     ref_model = tiny_mamba2()
     model = copy.deepcopy(ref_model)
     ids = prompt()
@@ -107,6 +139,9 @@ def test_model_patch_matches_torch_path_prefill_and_decode(calls):
     assert all(n == 0 for n in calls.counts.values())
 
     apply_tilegym_kernel_to_mamba2(model=model)
+    theirs = []  # 5.17: the module functions the patched mixer must not call
+    for name in () if STRUCTURE_5_3 else MODULE_NAMES.values():
+        monkeypatch.setattr(modeling_mamba2, name, lambda *a, _name=name, **k: theirs.append(_name))
     assert_logits_close(logits(model, ids), ref_logits)
     assert calls.counts["mamba_chunk_scan_combined"] == 2 and calls.counts["selective_state_update"] == 0
     calls.counts.update({name: 0 for name in OURS})
@@ -116,6 +151,7 @@ def test_model_patch_matches_torch_path_prefill_and_decode(calls):
     assert torch.equal(tokens, ref_tokens)
     assert calls.counts == expected_calls(layers=2)
     assert calls.backends == {None}  # cuTile for CUDA tensors, the pytorch backend here
+    assert theirs == []
 
     # Only this model's mixers: a model built now is untouched.
     other = tiny_mamba2()
@@ -138,9 +174,8 @@ def test_decode_matches_torch_path_step_by_step(calls):
             ref = ref_model(token, cache_params=ref.cache_params, use_cache=True, cache_position=position)
             out = model(token, cache_params=out.cache_params, use_cache=True, cache_position=position)
             assert_logits_close(out.logits, ref.logits)
-            torch.testing.assert_close(out.cache_params.ssm_states, ref.cache_params.ssm_states, rtol=1e-4,
-                                       atol=1e-5)
-            torch.testing.assert_close(out.cache_params.conv_states, ref.cache_params.conv_states)
+            for ours, theirs in zip(cache_tensors(out.cache_params), cache_tensors(ref.cache_params), strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert calls.counts["selective_state_update"] == 5 * 2
 
 
@@ -159,6 +194,49 @@ def test_left_padding_masked_as_torch_path(calls):
     assert (logits(model, ids)[0, 9:] - ref[0, 9:]).abs().max() > 1e-3
     assert torch.equal(greedy(model, ids, attention_mask=mask), greedy(ref_model, ids, attention_mask=mask))
     assert calls.counts["selective_state_update"] > 0
+
+
+@only_5_17
+def test_prefill_continued_on_the_cache(calls):
+    # 5.17 runs a multi-token forward onto a filled cache as a prefill from the cached states: the
+    # convolution over the cached inputs and the new ones, the scan from the cached state.
+    ref_model = tiny_mamba2(seed=17)
+    model = copy.deepcopy(ref_model)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids = prompt(tokens=40, seed=18)
+    first, rest = ids[:, :23], ids[:, 23:]
+    with torch.no_grad():
+        ref, out = ref_model(first, use_cache=True), model(first, use_cache=True)
+        ref = ref_model(rest, cache_params=ref.cache_params, use_cache=True)
+        out = model(rest, cache_params=out.cache_params, use_cache=True)
+    assert_logits_close(out.logits, ref.logits)
+    assert_logits_close(out.logits, logits(ref_model, ids)[:, 23:])  # the cache carried the first part
+    for ours, theirs in zip(cache_tensors(out.cache_params), cache_tensors(ref.cache_params), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert calls.counts["mamba_chunk_scan_combined"] == 2 * 2 and calls.counts["selective_state_update"] == 0
+
+
+@only_5_17
+def test_forward_decorator_is_kept(calls):
+    # 5.17 wraps forward to fire the accelerate hook of conv1d, whose weights the kernels read
+    # directly (offloading); the patched forward runs inside the same wrapper.
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    events = []
+
+    class Hook:
+        def pre_forward(self, module):
+            events.append(("pre", module))
+
+        def post_forward(self, module, output):
+            events.append(("post", module))
+
+    convs = [layer.mixer.conv1d for layer in model.backbone.layers]
+    for conv in convs:
+        conv._hf_hook = Hook()
+    logits(model, prompt())
+    assert events == [(when, conv) for conv in convs for when in ("pre", "post")]
+    assert calls.counts["mamba_chunk_scan_combined"] == 2
 
 
 def test_class_patch_covers_models_built_before_and_after(calls):
@@ -201,36 +279,46 @@ def test_patching_twice_does_not_stack(calls):
 
 
 def test_flags_choose_the_pieces(calls, monkeypatch):
-    from transformers.models.mamba2 import modeling_mamba2
-
     ref_model = tiny_mamba2(seed=9)
     ids = prompt(seed=10)
     ref_tokens = greedy(ref_model, ids)
-    # What transformers finds without mamba_ssm and causal_conv1d (set here too, for machines
-    # that have them): a piece left out then runs our pytorch backend.
-    for name in OURS:
-        monkeypatch.setattr(modeling_mamba2, name, None)
-    for conv1d, ssm in ((False, True), (True, False)):
-        model = copy.deepcopy(ref_model)
-        apply_tilegym_kernel_to_mamba2(conv1d=conv1d, ssm=ssm, model=model)
-        calls.counts.update({name: 0 for name in OURS})
-        calls.backends.clear()
-        assert torch.equal(greedy(model, ids), ref_tokens)
-        assert calls.counts == expected_calls(layers=2)
-        assert calls.backends == {None, "pytorch"}
+    pieces = {"conv1d": ("causal_conv1d_fn", "causal_conv1d_update"),
+              "ssm": ("mamba_chunk_scan_combined", "selective_state_update")}
+    if STRUCTURE_5_3:
+        # What transformers 5.3 finds without mamba_ssm and causal_conv1d (set here too, for
+        # machines that have them): a piece left out then runs our pytorch backend.
+        with monkeypatch.context() as names:
+            for name in OURS:
+                names.setattr(modeling_mamba2, MODULE_NAMES[name], None)
+            for left_out in pieces:
+                model = copy.deepcopy(ref_model)
+                apply_tilegym_kernel_to_mamba2(**{left_out: False}, model=model)
+                calls.counts.update({name: 0 for name in OURS})
+                calls.backends.clear()
+                assert torch.equal(greedy(model, ids), ref_tokens)
+                assert calls.counts == expected_calls(layers=2)
+                assert calls.backends == {None, "pytorch"}
 
-    # Where transformers found kernels, a piece left out calls those.
+    # Where transformers has a function for a piece (5.3: the package is installed; 5.17: always,
+    # with its torch code as the fallback), a piece left out calls that, and ours only the other.
     found = []
-    for name in ("causal_conv1d_fn", "causal_conv1d_update"):
-        def installed(*args, _name=name, **kwargs):
+    for name in OURS:
+        def installed(*args, _name=name, _transformers=getattr(modeling_mamba2, MODULE_NAMES[name]), **kwargs):
             found.append(_name)
-            return getattr(tilegym_mamba2, _name)(*args, backend="pytorch", **kwargs)
+            if _transformers is None:  # 5.3 without the package: stand in with our pytorch backend
+                return calls.real[_name](*args, backend="pytorch", **kwargs)
+            return _transformers(*args, **kwargs)
 
-        monkeypatch.setattr(modeling_mamba2, name, installed)
-    model = copy.deepcopy(ref_model)
-    apply_tilegym_kernel_to_mamba2(conv1d=False, model=model)
-    assert torch.equal(greedy(model, ids), ref_tokens)
-    assert found.count("causal_conv1d_fn") == 2 and found.count("causal_conv1d_update") == 22
+        monkeypatch.setattr(modeling_mamba2, MODULE_NAMES[name], installed)
+    expected = expected_calls(layers=2)
+    for left_out, names in pieces.items():
+        model = copy.deepcopy(ref_model)
+        apply_tilegym_kernel_to_mamba2(**{left_out: False}, model=model)
+        found.clear()
+        calls.counts.update({name: 0 for name in OURS})
+        assert torch.equal(greedy(model, ids), ref_tokens)
+        assert sorted(found) == sorted(name for name in names for _ in range(expected[name]))
+        assert calls.counts == {name: 0 if name in names else expected[name] for name in OURS}
 
 
 def test_use_cutile_asks_for_the_cutile_backend(monkeypatch):
@@ -279,15 +367,36 @@ def test_model_without_a_mixer_is_refused():
 
 
 def test_unexpected_mixer_structure_names_the_version(monkeypatch):
-    monkeypatch.delattr(Mamba2Mixer, "cuda_kernels_forward")
-    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}.*cuda_kernels_forward"):
+    # A mixer in neither structure: no cuda_kernels_forward, and a forward that calls no kernel.
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        return self.out_proj(hidden_states)
+
+    monkeypatch.delattr(Mamba2Mixer, "cuda_kernels_forward", raising=False)
+    monkeypatch.setattr(Mamba2Mixer, "forward", forward)
+    message = (f"transformers {transformers.__version__}: Mamba2Mixer has no cuda_kernels_forward method .*"
+               f"forward calls none of causal_conv1d_fn, causal_conv1d_update, mamba2_selective_state_update")
+    with pytest.raises(RuntimeError, match=message):
         apply_tilegym_kernel_to_mamba2()
-    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}"):
+    with pytest.raises(RuntimeError, match=message):
         apply_tilegym_kernel_to_mamba2(model=tiny_mamba2())
 
 
+def test_mixer_calling_some_kernels_is_refused(monkeypatch):
+    # The structure's method calls the convolution but neither scan: refused, naming the scans.
+    def partial(self, hidden_states, cache_params=None, cache_position=None, attention_mask=None, **kwargs):
+        return causal_conv1d_update(causal_conv1d_fn(hidden_states))  # noqa: F821 (names only: never called)
+
+    monkeypatch.setattr(Mamba2Mixer, "cuda_kernels_forward" if STRUCTURE_5_3 else "forward", partial)
+    scans = ", ".join(MODULE_NAMES[name] for name in ("selective_state_update", "mamba_chunk_scan_combined"))
+    with pytest.raises(RuntimeError, match=f"transformers {transformers.__version__}: Mamba2Mixer.* no longer calls "
+                                           f"{scans}, mamba2?_split_conv1d_scan_combined"):
+        apply_tilegym_kernel_to_mamba2()
+
+
+@only_5_3
 def test_changed_forward_signature_is_refused(monkeypatch):
-    def forward(self, hidden_states, cache_params=None, attention_mask=None):
+    # 5.3's patch runs cuda_kernels_forward with forward's arguments: the two must agree.
+    def forward(self, hidden_states, attention_mask=None):
         raise AssertionError("not called")
 
     monkeypatch.setattr(Mamba2Mixer, "forward", forward)
@@ -296,7 +405,10 @@ def test_changed_forward_signature_is_refused(monkeypatch):
 
 
 # Other transformers models whose mixers have Mamba2Mixer's structure (hybrids with attention
-# layers); tiny configs with two Mamba layers each.
+# layers); tiny configs with two Mamba layers each. FalconH1 (attention and Mamba side by side in
+# every layer) only under 5.17's structure: by default (no mixer RMSNorm) the gate goes into the
+# decode kernel; with the RMSNorm, batch 1, since 5.17's FalconH1RMSNormGated turns a decode step
+# of batch b into [b, b, hidden] (in transformers' own path as well).
 HYBRIDS = {
     "bamba": lambda: transformers.BambaConfig(
         num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
@@ -312,16 +424,22 @@ HYBRIDS = {
         num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
         mamba_ngroups=2, chunk_size=16, num_mem_blocks=1, adapter_rank=8, use_mem_rope=True, **HYBRID_COMMON),
 }
+FALCON_H1 = lambda **kw: transformers.FalconH1Config(  # noqa: E731
+    num_hidden_layers=2, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+    mamba_chunk_size=16, **kw, **HYBRID_COMMON)
+HYBRIDS_5_17 = {"falcon_h1": lambda: FALCON_H1(), "falcon_h1-rmsnorm": lambda: FALCON_H1(mamba_rms_norm=True)}
+PROMPT_BATCH = {"falcon_h1-rmsnorm": 1}
 HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 
 
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+@pytest.mark.parametrize("model_type", [*sorted(HYBRIDS), *(pytest.param(m, marks=only_5_17) for m in HYBRIDS_5_17)])
 def test_hybrid_models_match_their_torch_path(model_type, calls):
     torch.manual_seed(11)
-    ref_model = transformers.AutoModelForCausalLM.from_config(HYBRIDS[model_type]()).eval()
+    config = (HYBRIDS | HYBRIDS_5_17)[model_type]()
+    ref_model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model = copy.deepcopy(ref_model)
-    ids = prompt(seed=12)
+    ids = prompt(batch=PROMPT_BATCH.get(model_type, 2), seed=12)
     ref_logits, ref_tokens = logits(ref_model, ids), greedy(ref_model, ids)
     assert all(n == 0 for n in calls.counts.values())
 
@@ -332,19 +450,46 @@ def test_hybrid_models_match_their_torch_path(model_type, calls):
     assert calls.counts == expected_calls(layers=2)
 
 
+@only_5_3
+def test_falcon_h1_left_alone_under_5_3():
+    # 5.3's FalconH1Mixer.cuda_kernels_forward enters torch.cuda.device: not checked on a CPU, so not patched.
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
+
+    apply_tilegym_kernel_to_mamba2()
+    assert not hasattr(FalconH1Mixer.forward, "_tilegym_mamba2_original")
+    with pytest.raises(ValueError, match="FalconH1ForCausalLM has no Mamba-2 mixer"):
+        apply_tilegym_kernel_to_mamba2(model=transformers.AutoModelForCausalLM.from_config(FALCON_H1()))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: bf16 on CUDA, our cuTile kernels against transformers' torch path.
 
-def gpu_pair(seed):
+def on_torch_path(models, monkeypatch):
+    """Run these unpatched models on transformers' torch code even where mamba_ssm or causal_conv1d
+    is installed: 5.3's torch_forward; under 5.17 the module functions' own torch code (for every
+    unpatched model: a patched one calls its own private bindings)."""
+    if STRUCTURE_5_3:
+        for model in models:
+            for layer in model.backbone.layers:
+                layer.mixer.forward = layer.mixer.torch_forward
+        return
+    packages = [p for p in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(p) is not None]
+    for name in MODULE_NAMES.values():
+        torch_code = inspect.unwrap(getattr(modeling_mamba2, name))
+        if torch_code.__module__ == modeling_mamba2.__name__:
+            monkeypatch.setattr(modeling_mamba2, name, torch_code)
+        else:  # e.g. a `kernels` layer around it: its torch code is what runs while neither package is there
+            assert not packages, f"cannot reach the torch code of {name} with {packages} installed"
+
+
+def gpu_pair(seed, monkeypatch):
     """(bf16 model on transformers' torch path, the same patched, the torch path in fp32)."""
     ref_model = tiny_mamba2(dtype=torch.bfloat16, device="cuda", seed=seed, hidden_size=256, num_heads=8,
                             head_dim=64, state_size=64, n_groups=1, chunk_size=64, initializer_range=0.1)
     model = copy.deepcopy(ref_model)
     apply_tilegym_kernel_to_mamba2(model=model)
     fp32_model = copy.deepcopy(ref_model).float()
-    for reference in (ref_model, fp32_model):  # torch_forward even where mamba_ssm is installed
-        for layer in reference.backbone.layers:
-            layer.mixer.forward = layer.mixer.torch_forward
+    on_torch_path((ref_model, fp32_model), monkeypatch)
     return ref_model, model, fp32_model
 
 
@@ -361,8 +506,8 @@ def decode_logits(model, ids, tokens):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_logits_and_greedy_tokens(calls):
-    ref_model, model, fp32_model = gpu_pair(seed=13)
+def test_gpu_bf16_logits_and_greedy_tokens(calls, monkeypatch):
+    ref_model, model, fp32_model = gpu_pair(seed=13, monkeypatch=monkeypatch)
     ids = prompt(batch=2, tokens=200, device="cuda", seed=14)
     exact = logits(fp32_model, ids)
     ours, torch_path = logits(model, ids), logits(ref_model, ids)
@@ -401,16 +546,16 @@ def test_gpu_bf16_logits_and_greedy_tokens(calls):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_step_in_a_cuda_graph():
+def test_gpu_decode_step_in_a_cuda_graph(monkeypatch):
     """A whole decode step of the patched model captured in a CUDA graph and replayed against
-    the same steps run eagerly. cache_position stays on the host: transformers compares it with
-    0 in Python, which would otherwise read the GPU during capture."""
-    _, model, _ = gpu_pair(seed=15)
+    the same steps run eagerly. cache_position stays on the host: transformers 5.3 compares it
+    with 0 in Python, which would otherwise read the GPU during capture (5.17 ignores it)."""
+    _, model, _ = gpu_pair(seed=15, monkeypatch=monkeypatch)
     ids = prompt(batch=2, tokens=100, device="cuda", seed=16)
     with torch.no_grad():
         prefill = model(ids, use_cache=True)
     cache = prefill.cache_params
-    start = (cache.conv_states.clone(), cache.ssm_states.clone())
+    start = [state.clone() for state in cache_tensors(cache)]
     first = prefill.logits[:, -1].argmax(-1, keepdim=True)
 
     def step(token, position):
@@ -423,9 +568,9 @@ def test_gpu_decode_step_in_a_cuda_graph():
             eager.append(out.clone())
             token = out[:, -1].argmax(-1, keepdim=True)
 
-    def restore():
-        cache.conv_states.copy_(start[0])
-        cache.ssm_states.copy_(start[1])
+    def restore():  # in place: the graph reads and writes these very tensors
+        for state, saved in zip(cache_tensors(cache), start, strict=True):
+            state.copy_(saved)
 
     static_token = first.clone()
     position = torch.tensor([ids.shape[1]])  # any value > 0: the decode branch

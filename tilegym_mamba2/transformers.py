@@ -5,20 +5,29 @@ for the pieces to replace, ``model`` for an already loaded model, ``use_cutile``
 returned. Call it before ``from_pretrained`` (``model=None``: the mixer classes are patched) or
 on a loaded model (only that model's mixers are patched).
 
-How the patch works. In transformers 5.3 every Mamba-2 mixer has two paths: ``torch_forward``
-(pure torch, slow) and ``cuda_kernels_forward``, which calls five names that the modeling
-module binds to mamba_ssm's and causal_conv1d's functions: ``causal_conv1d_fn``,
-``causal_conv1d_update``, ``selective_state_update``, ``mamba_chunk_scan_combined`` and
-``mamba_split_conv1d_scan_combined`` (the last only when training). When those packages are
-missing the names are ``None`` and ``forward`` takes ``torch_forward``. Our serving API has the
-same signatures, so the patched ``forward`` runs the mixer's own ``cuda_kernels_forward`` code
-with those names bound to our functions. Cache handling, the prefill/decode decision,
-padding masks and the gated RMSNorm are transformers' own code, and the patched mixer gives
-the same results as the fast path would with mamba_ssm installed. The rebinding lives in a
-private copy of the method's globals; the modeling module itself is left alone.
+How the patch works. A Mamba-2 mixer's code calls five kernels by module-level names: a causal
+convolution over the prompt and its one-token update, the chunked scan and its one-token
+update, and a fused training kernel. Transformers has laid this out in two ways (``STRUCTURES``):
+
+- 5.3: the mixer's ``cuda_kernels_forward`` calls ``causal_conv1d_fn``,
+  ``causal_conv1d_update``, ``selective_state_update``, ``mamba_chunk_scan_combined`` and
+  ``mamba_split_conv1d_scan_combined``, bound to mamba_ssm's and causal_conv1d's functions, or
+  ``None`` when those are missing (then ``forward`` takes ``torch_forward``).
+- 5.17 (5.15 on; 5.24 renames forward's ``cache_params`` to ``cache``): there is one
+  ``forward``; it calls ``causal_conv1d_fn``, ``causal_conv1d_update``,
+  ``mamba2_selective_state_update``, ``mamba2_chunk_scan`` and
+  ``mamba2_split_conv1d_scan_combined``, module functions that run a Hub kernel, mamba_ssm's or
+  causal_conv1d's function when there is one, else transformers' own torch code.
+
+The patch recognises the structure from the class, then runs a copy of that method whose
+global names resolve in a private copy of the module's globals with those five names bound to
+our functions (a decorator around ``forward`` is copied around the copy). Cache handling,
+the prefill/decode decision, padding masks and the gated RMSNorm stay transformers' own code;
+the modeling module itself is left alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -32,27 +41,58 @@ import tilegym_mamba2
 
 logger = logging.getLogger(__name__)
 
-TESTED_TRANSFORMERS = "5.3"
-
-# The functions cuda_kernels_forward calls, and the flag that chooses ours for each.
-KERNELS = {
+# Our serving functions, and the flag that chooses ours for each.
+PIECES = {
     "causal_conv1d_fn": "conv1d",
     "causal_conv1d_update": "conv1d",
     "mamba_chunk_scan_combined": "ssm",
     "selective_state_update": "ssm",
 }
-TRAINING_ONLY = "mamba_split_conv1d_scan_combined"
+# The keyword arguments each accepts (taken now, before anything can stand in for them): the
+# mixer's other keyword arguments are dropped, as transformers drops those its kernels lack.
+_ACCEPTS = {name: frozenset(inspect.signature(getattr(tilegym_mamba2, name)).parameters) - {"backend"}
+            for name in PIECES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """Where one transformers release's Mamba-2 mixers call their kernels."""
+
+    release: str  # the transformers release it was written against
+    method: str  # the mixer method whose code calls the kernels
+    names: dict  # module-level name that code calls -> our function (None: the training-only kernel)
+    left_out: tuple = ()  # mixer classes of MIXERS not patched under this structure
+
+
+STRUCTURES = (
+    Structure(
+        release="5.3",
+        method="cuda_kernels_forward",
+        names={"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update",
+               "selective_state_update": "selective_state_update",
+               "mamba_chunk_scan_combined": "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined": None},
+        # Its cuda_kernels_forward enters torch.cuda.device, so it cannot be checked on a CPU.
+        left_out=("FalconH1Mixer",),
+    ),
+    Structure(
+        release="5.17",
+        method="forward",
+        names={"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update",
+               "mamba2_selective_state_update": "selective_state_update",
+               "mamba2_chunk_scan": "mamba_chunk_scan_combined", "mamba2_split_conv1d_scan_combined": None},
+    ),
+)
 
 # (model type, mixer class) of the transformers models whose mixer this patch runs unchanged,
-# each checked patched-vs-unpatched in tests/test_transformers.py. Not here: falcon_h1 (its
-# cuda_kernels_forward enters torch.cuda.device, so it cannot be checked on a CPU), jamba and
-# falcon_mamba (Mamba-1 mixers).
+# each checked patched-vs-unpatched in tests/test_transformers.py (falcon_h1 under 5.17's
+# structure only). Not here: jamba and falcon_mamba (Mamba-1 mixers).
 MIXERS = (
     ("mamba2", "Mamba2Mixer"),
     ("bamba", "BambaMixer"),
     ("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
     ("nemotron_h", "NemotronHMamba2Mixer"),
     ("zamba2", "Zamba2MambaMixer"),
+    ("falcon_h1", "FalconH1Mixer"),
 )
 
 _ORIGINAL = "_tilegym_mamba2_original"  # on our forward: the forward it replaced
@@ -71,13 +111,15 @@ def apply_tilegym_kernel_to_mamba2(
     place on the cache. Neither mamba_ssm nor causal_conv1d needs to be installed. Mixers in
     training mode, or called while autograd records (our kernels are forward-only), keep their
     own forward; ``generate()`` and ``torch.no_grad()`` / ``torch.inference_mode()`` calls use ours.
+    Works with the mixers of transformers 5.3 and 5.17 (``STRUCTURES``).
 
     Args:
-        conv1d: replace ``causal_conv1d_fn`` and ``causal_conv1d_update``. When False the
-            mixer calls what transformers found (causal_conv1d, if installed), else our
-            "pytorch" backend.
-        ssm: replace ``mamba_chunk_scan_combined`` and ``selective_state_update``; when False,
-            mamba_ssm's if installed, else our "pytorch" backend.
+        conv1d: replace the causal convolution and its update. When False the mixer calls what
+            transformers found: under 5.3 causal_conv1d if installed, else our "pytorch"
+            backend; under 5.17 transformers' own function (a Hub kernel or causal_conv1d if
+            there is one, else its torch code).
+        ssm: replace the chunked scan and the one-token state update; when False, as for conv1d
+            with mamba_ssm.
         model: a loaded model: only its mixers are patched (instance attributes). None: the
             mixer classes are patched, so every model built afterwards (and before) uses ours.
         use_cutile: True runs every call on our cuTile kernels (CUDA tensors only). False (the
@@ -88,33 +130,33 @@ def apply_tilegym_kernel_to_mamba2(
     ``revert_tilegym_kernel_to_mamba2`` undoes it.
 
     Raises:
-        RuntimeError: the installed transformers' mixer is not shaped as this patch expects
-            (the message names the transformers version).
+        RuntimeError: the installed transformers' mixer is shaped as in neither structure (the
+            message names the transformers version).
         ValueError: ``model`` has no Mamba-2 mixer this patch knows.
     """
     backend = "cutile" if use_cutile else None
     if model is None:
-        for cls, problem in _mixer_classes(import_missing=True):
+        for cls, structure, problem in _mixer_classes(import_missing=True):
             if problem is not None:
                 if cls.__name__ == "Mamba2Mixer":
                     raise RuntimeError(problem)
                 logger.warning("tilegym_mamba2: not patching %s: %s", cls.__qualname__, problem)
                 continue
-            original = _unpatched_forward(cls)
-            cls.forward = _patched_forward(cls, original, conv1d, ssm, backend)
+            cls.forward = _patched_forward(cls, structure, conv1d, ssm, backend)
         return
 
-    known = dict(_mixer_classes(import_missing=False))
+    known = {cls: (structure, problem) for cls, structure, problem in _mixer_classes(import_missing=False)}
     patched = 0
     forwards = {}
     for module in model.modules():
         cls = type(module)
         if cls not in known:
             continue
-        if known[cls] is not None:
-            raise RuntimeError(known[cls])
+        structure, problem = known[cls]
+        if problem is not None:
+            raise RuntimeError(problem)
         if cls not in forwards:
-            forwards[cls] = _patched_forward(cls, _unpatched_forward(cls), conv1d, ssm, backend)
+            forwards[cls] = _patched_forward(cls, structure, conv1d, ssm, backend)
         module.forward = types.MethodType(forwards[cls], module)
         patched += 1
     if patched == 0:
@@ -125,7 +167,7 @@ def apply_tilegym_kernel_to_mamba2(
 def revert_tilegym_kernel_to_mamba2(model: torch.nn.Module | None = None) -> None:
     """Undoes ``apply_tilegym_kernel_to_mamba2`` for the mixer classes (model None) or one model."""
     if model is None:
-        for cls, _ in _mixer_classes(import_missing=False):
+        for cls, _, _ in _mixer_classes(import_missing=False):
             forward = cls.__dict__.get("forward")
             if hasattr(forward, _ORIGINAL):
                 cls.forward = getattr(forward, _ORIGINAL)
@@ -137,8 +179,9 @@ def revert_tilegym_kernel_to_mamba2(model: torch.nn.Module | None = None) -> Non
 
 
 def _mixer_classes(import_missing: bool):
-    """(class, problem or None) for each supported mixer whose modeling module is importable
-    (import_missing) or already imported."""
+    """(class, structure, problem) for each supported mixer whose modeling module is importable
+    (import_missing) or already imported: structure None and problem the reason when the class
+    is shaped as neither structure. Classes a structure leaves out are skipped."""
     for model_type, class_name in MIXERS:
         name = f"transformers.models.{model_type}.modeling_{model_type}"
         module = sys.modules.get(name)
@@ -154,7 +197,10 @@ def _mixer_classes(import_missing: bool):
             if module is not None and model_type == "mamba2":
                 raise RuntimeError(_version_message(f"{name} has no {class_name}"))
             continue
-        yield cls, _structure_problem(cls)
+        structure, problem = _structure_of(cls)
+        if structure is not None and class_name in structure.left_out:
+            continue
+        yield cls, structure, problem
 
 
 def _unpatched_forward(cls):
@@ -162,20 +208,58 @@ def _unpatched_forward(cls):
     return getattr(forward, _ORIGINAL, forward)
 
 
-def _structure_problem(cls) -> str | None:
-    """Why the patch would not run ``cls`` as transformers 5.3's mixers are written, or None."""
-    kernel_forward = getattr(cls, "cuda_kernels_forward", None)
-    if not isinstance(kernel_forward, types.FunctionType):
-        return _version_message(f"{cls.__qualname__} has no cuda_kernels_forward method")
-    missing = [n for n in (*KERNELS, TRAINING_ONLY) if n not in kernel_forward.__code__.co_names]
+def _structure_of(cls):
+    """(the structure ``cls`` is written in, None), or (None, why the patch cannot run it)."""
+    old, new = STRUCTURES
+    kernel_forward = getattr(cls, old.method, None)
+    if isinstance(kernel_forward, types.FunctionType):
+        missing = _not_called(kernel_forward, old)
+        if missing:
+            return None, _version_message(f"{cls.__qualname__}.{old.method} no longer calls {', '.join(missing)}")
+        forward_params = _named_params(_unpatched_forward(cls))
+        kernel_params = _named_params(kernel_forward)
+        if forward_params != kernel_params:
+            return None, _version_message(
+                f"{cls.__qualname__}.forward takes {forward_params} but {old.method} takes {kernel_params}")
+        return old, None
+
+    forward = _unpatched_forward(cls)
+    if not _copyable(forward):
+        return None, _version_message(f"{cls.__qualname__}.forward is wrapped in a way this patch cannot copy")
+    missing = _not_called(inspect.unwrap(forward), new)
+    if len(missing) == len(new.names):
+        return None, _version_message(
+            f"{cls.__qualname__} has no {old.method} method (transformers {old.release}'s structure) and its "
+            f"forward calls none of {', '.join(new.names)} ({new.release}'s)")
     if missing:
-        return _version_message(f"{cls.__qualname__}.cuda_kernels_forward no longer calls {', '.join(missing)}")
-    forward_params = _named_params(_unpatched_forward(cls))
-    kernel_params = _named_params(kernel_forward)
-    if forward_params != kernel_params:
-        return _version_message(
-            f"{cls.__qualname__}.forward takes {forward_params} but cuda_kernels_forward takes {kernel_params}")
-    return None
+        return None, _version_message(f"{cls.__qualname__}.forward no longer calls {', '.join(missing)}")
+    return new, None
+
+
+def _not_called(fn, structure) -> list:
+    code = getattr(fn, "__code__", None)
+    names = code.co_names if code is not None else ()
+    return [n for n in structure.names if n not in names]
+
+
+def _copyable(fn) -> bool:
+    """Whether ``_with_globals`` can copy ``fn``: a function, or a wrapper (functools.wraps) that
+    holds the function it wraps in its closure, down to a function that wraps nothing."""
+    while isinstance(fn, types.FunctionType):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            return True
+        if not any(_holds(cell, inner) for cell in fn.__closure__ or ()):
+            return False
+        fn = inner
+    return False
+
+
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _named_params(fn):
@@ -186,21 +270,27 @@ def _named_params(fn):
 def _version_message(what: str) -> str:
     import transformers
 
+    known = " and ".join(s.release for s in STRUCTURES)
     return (f"tilegym_mamba2.transformers cannot patch transformers {transformers.__version__}: {what} "
-            f"(written for transformers {TESTED_TRANSFORMERS}; `pip install 'transformers>={TESTED_TRANSFORMERS},<5.4'`)")
+            f"(it knows the Mamba-2 mixers of transformers {known}; "
+            f"`pip install 'transformers=={STRUCTURES[-1].release}.*'`)")
 
 
-def _patched_forward(cls, original, conv1d: bool, ssm: bool, backend):
-    """A forward for ``cls`` that runs its cuda_kernels_forward on our functions."""
-    kernel_forward = _rebound_kernel_forward(cls, {"conv1d": conv1d, "ssm": ssm}, backend)
-    accepted = set(_named_params(kernel_forward))
+def _patched_forward(cls, structure, conv1d: bool, ssm: bool, backend):
+    """A forward for ``cls`` that runs its ``structure.method`` on our functions."""
+    original = _unpatched_forward(cls)
+    source = original if structure.method == "forward" else getattr(cls, structure.method)
+    kernel_forward = _with_globals(source, _kernel_scope(source, structure, {"conv1d": conv1d, "ssm": ssm}, backend))
+    # 5.3: some mixers' forward also takes **kwargs, which cuda_kernels_forward does not.
+    accepted = None if source is original else set(_named_params(kernel_forward))
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         if self.training or _records_grad(self, args, kwargs):
             return original(self, *args, **kwargs)
-        # Some mixers' forward also takes **kwargs, which cuda_kernels_forward does not.
-        return kernel_forward(self, *args, **{k: v for k, v in kwargs.items() if k in accepted})
+        if accepted is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        return kernel_forward(self, *args, **kwargs)
 
     setattr(forward, _ORIGINAL, original)
     return forward
@@ -214,35 +304,56 @@ def _records_grad(mixer, args, kwargs) -> bool:
     return bool(getattr(hidden_states, "requires_grad", False)) or any(p.requires_grad for p in mixer.parameters())
 
 
-def _rebound_kernel_forward(cls, flags: dict, backend):
-    """``cls.cuda_kernels_forward`` with the kernel names bound to our functions (or, for a
-    piece whose flag is off, to what transformers found, else our pytorch backend)."""
-    source = cls.cuda_kernels_forward
-    modeling = sys.modules[cls.__module__]
-    scope = dict(vars(modeling))
-    for name, piece in KERNELS.items():
-        scope[name] = _ours(name, backend) if flags[piece] else _as_found(name, modeling)
-    scope[TRAINING_ONLY] = _training_only
-    bound = types.FunctionType(source.__code__, scope, source.__name__, source.__defaults__, source.__closure__)
-    bound.__kwdefaults__ = source.__kwdefaults__
-    bound.__qualname__ = source.__qualname__
-    return bound
+def _kernel_scope(source, structure, flags: dict, backend) -> dict:
+    """The globals of ``source``'s module with the structure's kernel names bound to our
+    functions (or, for a piece whose flag is off, to what transformers found)."""
+    module_globals = inspect.unwrap(source).__globals__
+    scope = dict(module_globals)
+    for name, ours in structure.names.items():
+        if ours is None:
+            scope[name] = _training_only
+        elif flags[PIECES[ours]]:
+            scope[name] = _ours(ours, backend)
+        else:
+            scope[name] = _as_found(name, ours, module_globals)
+    return scope
+
+
+def _with_globals(fn, scope: dict):
+    """A copy of ``fn`` whose global names resolve in ``scope``. For a wrapper (``_copyable``),
+    the wrapper is copied around a copy of the function it wraps; the wrapper's own globals stay."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    else:
+        inner_copy = _with_globals(inner, scope)
+        closure = tuple(types.CellType(inner_copy) if _holds(cell, inner) else cell for cell in fn.__closure__)
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__dict__.update(fn.__dict__)
+    copy.__qualname__ = fn.__qualname__
+    if inner is not None:
+        copy.__wrapped__ = inner_copy
+    return copy
 
 
 def _ours(name: str, backend):
+    accepts = _ACCEPTS[name]
+
     # Looked up at call time, so tilegym_mamba2's attribute is the one called.
     def call(*args, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k in accepts}
         return getattr(tilegym_mamba2, name)(*args, backend=backend, **kwargs)
 
     call.__name__ = name
     return call
 
 
-def _as_found(name: str, modeling):
+def _as_found(name: str, ours: str, module_globals: dict):
     def call(*args, **kwargs):
-        found = getattr(modeling, name, None)  # transformers rebinds these when it builds a mixer
+        found = module_globals.get(name)  # read now: transformers 5.3 rebinds these when it builds a mixer
         if found is None:
-            return getattr(tilegym_mamba2, name)(*args, backend="pytorch", **kwargs)
+            return _ours(ours, "pytorch")(*args, **kwargs)
         return found(*args, **kwargs)
 
     call.__name__ = name
