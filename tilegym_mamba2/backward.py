@@ -93,7 +93,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
     per_sequence_init = (initial_states is not None and cu_seqlens is not None
                          and initial_states.shape[0] != batch)
     exact = kernels.decay_grad is not None
-    row_init_as_sequences = False
+    row_init_as_sequences = no_init = False
     if exact and cu_seqlens is not None and cu_seqlens.numel() - 1 != batch and (
             per_sequence_init or dvarlen_states is not None):
         # Initial states and state gradients at sequence edges inside chunks: both scans take
@@ -101,7 +101,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
         state = (heads, x.shape[3], B.shape[3])
         sequences = cu_seqlens.numel() - 1
         if not per_sequence_init:
-            row_init_as_sequences = initial_states is not None
+            row_init_as_sequences, no_init = initial_states is not None, initial_states is None
             first = initial_states if initial_states is not None else x.new_zeros(1, *state, dtype=acc)
             initial_states = torch.cat([first.to(acc), first.new_zeros(sequences - 1, *state)])
             per_sequence_init = True
@@ -174,6 +174,8 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
                 dinit = dinit * (seq_idx[:, 0] == 0)[:, None, None, None]
     if row_init_as_sequences:
         dinit = dinit[:1]
+    elif no_init:
+        dinit = None
     return dxs, dB, dC, ddt, dA, dinit, (y if want_y else None)
 
 

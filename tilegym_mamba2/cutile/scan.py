@@ -46,7 +46,10 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     # A group's B or C shared by every head arrives as a stride-0 view: read it, don't copy it.
     x, b, c = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, b, c))
     if not outputs:
-        entry_states, final_states = fwd_pass_state(x, b, weight_bht, decay_cumsum, init, chunk, config, seq_idx=seq)
+        # Chunk states only: per-sequence initial states stay out of them, as in scan_stages.
+        row_init = None if init is not None and cu is not None and init.shape[0] != batch else init
+        entry_states, final_states = fwd_pass_state(x, b, weight_bht, decay_cumsum, row_init, chunk, config,
+                                                    seq_idx=seq)
         return None, final_states, None, (entry_states, decay_cumsum, weight_bht)
     y, final_states, varlen, entry_states = scan_stages(x, b, c, None, None, weight_bht, decay_cumsum, init, seq, cu,
                                                         config, with_varlen_states=cu is not None)
