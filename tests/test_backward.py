@@ -366,3 +366,91 @@ def test_state_512_runs_as_two_halves(monkeypatch):
     want = tilegym_mamba2.mamba2_chunk_backward(*args, 64, backend="pytorch")
     for name, g, w in zip(["dx", "da", "db", "dc", "dd", "ddt", "dinit_state"], got, want):
         assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-3, atol=1e-3), name
+
+
+def _chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L):
+    """[batch, chunks, heads, head_size, state_size]: the state entering each chunk (of the
+    sequence of the token before it), as the cutile state pass leaves them: a row's initial state
+    enters its sequence 0, per-sequence initial states do not enter at all."""
+    batch, tokens, heads, _ = x.shape
+    per_head_b = b.repeat_interleave(heads // b.shape[2], 2)
+    row_init = None if init is None or (cu_seqlens is not None and init.shape[0] != batch) else init
+    seq = torch.zeros(batch, tokens, dtype=torch.long) if seq_idx is None else seq_idx.long()
+    entries = []
+    for row in range(batch):
+        h = torch.zeros(heads, x.shape[3], b.shape[3], dtype=F64)
+        if row_init is not None and seq[row, 0] == 0:
+            h = row_init[row].to(F64)
+        row_entries = []
+        for t in range(-(-tokens // L) * L):
+            if t % L == 0:
+                row_entries.append(h)
+            if t >= tokens:
+                continue
+            if t and seq[row, t] != seq[row, t - 1]:
+                h = torch.zeros_like(h)
+            h = (torch.exp(log_decay[row, t].to(F64))[:, None, None] * h
+                 + weight[row, t].to(F64)[:, None, None] * x[row, t].to(F64)[..., None] * per_head_b[row, t][:, None])
+        entries.append(torch.stack(row_entries))
+    return torch.stack(entries)
+
+
+def _exact_kernels_on_cpu(L):
+    """backward.Kernels with the chunk-local decay gradient, in PyTorch: the contract the cutile
+    scan and decay_grad keep (chunk states of the forward and of the reversed scan, the reversed
+    scan's first decay of each chunk), so the exact path's orchestration runs on a CPU."""
+    from tilegym_mamba2.scan_reference import decay_grad_reference
+
+    def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, chunk_states=False,
+             outputs=True):
+        y, final, varlen = scan_reference(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens, chunk_size=L,
+                                          dtype=F64)
+        if not chunk_states:
+            return y, final, varlen
+        states = (_chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L), weight, log_decay)
+        return (y if outputs else None), final, varlen, states
+
+    def decay_grad(x, b, c, dy, seq_idx, forward_states, reverse_states):
+        entry, weight, log_decay = forward_states
+        rev_entry, _, rev_decay = reverse_states
+        chunks = entry.shape[1]
+        # chunk k ends where reversed chunk K-1-k starts: dS = exp(its first decay) * its entry state
+        first = rev_decay[:, ::L][:, :chunks].to(F64)                                # [batch, chunks, heads]
+        ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
+        return decay_grad_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx, chunk_size=L)
+
+    return Kernels(scan, decay_grad)
+
+
+@pytest.mark.parametrize("name", ["one_sequence", "channel_d_clamp", "seq_idx", "seq_idx_rows",
+                                  "per_sequence_init_varlen", "row_init_varlen", "cu_seqlens_no_init"])
+def test_exact_decay_path_matches_float64_autograd(name, monkeypatch):
+    """The path the cutile backend takes (chunk states, reversed scans padded to whole chunks,
+    decay_grad, per-sequence edge terms) with PyTorch standing in for the kernels, on 64-token
+    chunks: every gradient equals float64 autograd through the token recurrence."""
+    import tilegym_mamba2.backward as backward
+    monkeypatch.setattr(backward, "REVERSE_ALIGN", 16)
+    case = dict(DECOMPOSITION_CASES[name])
+    softplus, limit = case.pop("softplus", True), case.pop("dt_limit", (0.0, INF))
+    seq_idx = None if "seq_idx" not in case else torch.tensor(case.pop("seq_idx"))
+    cu_seqlens, varlen = case.pop("cu_seqlens", None), case.pop("varlen", False)
+    t = layer_inputs(99, sequences=None if cu_seqlens is None else cu_seqlens.numel() - 1, **case)
+    names = list(t)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    out, final, states = layer_token_recurrence(
+        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves["D"], leaves.get("z"),
+        leaves.get("dt_bias"), leaves.get("initial_states"), seq_idx, cu_seqlens, softplus, limit)
+    g = torch.Generator().manual_seed(6)
+    dout, dfinal = torch.randn(out.shape, generator=g, dtype=F64), torch.randn(final.shape, generator=g, dtype=F64)
+    dstates = torch.randn(states.shape, generator=g, dtype=F64) if varlen else None
+    loss = (out * dout).sum() + (final * dfinal).sum() + ((states * dstates).sum() if varlen else 0)
+    refs = torch.autograd.grad(loss, [leaves[k] for k in names])
+    saved = ScanCombinedArgs(t["x"], t["dt"], t["A"], t["B"], t["C"], 16, t["D"], t.get("z"), t.get("dt_bias"),
+                             t.get("initial_states"), seq_idx, cu_seqlens, softplus, limit, True, varlen)
+    grads = dict(zip(["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"],
+                     layer_backward(_exact_kernels_on_cpu(16), saved, dout, dfinal, dstates)))
+    for k, ref in zip(names, refs):
+        assert grads[k] is not None and grads[k].shape == ref.shape, k
+        assert rel(grads[k], ref) < 1e-11, (k, rel(grads[k], ref))
+    if "initial_states" not in t:
+        assert grads["initial_states"] is None
