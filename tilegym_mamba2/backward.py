@@ -7,18 +7,24 @@ With dh_t the gradient reaching h_t (dh after the last token is dfinal_state):
     dx_t = dt_t dh_t b_t            dc_t = h_t^T dy_t            db_t = dt_t dh_t^T x_t
 
 so four scans give everything that involves a state:
-    1. the forward again                                  -> y (for the decay gradient)
+    1. the forward again                                  -> its chunk states (y too, for dz)
     2. backwards: x <- dy, b <- c, c <- b, weight 1       -> dh_t b_t, dh at the first token
     3. forwards, transposed state: x <- b, b <- x, c <- dy -> dc (per head)
-    4. backwards, transposed: x <- c, b <- dy, c <- x     -> dh_t^T x_t, so db (per head)
-"Backwards" is the scan on token-reversed inputs with log decay l'_s = l_{T-s} (the decay
-between a token and the one after it) and 0 where a sequence ends, so the gradient of a
-state enters undecayed and nothing crosses a sequence boundary.
+    4. backwards, transposed: x <- c, b <- dy, c <- dt x  -> dt_t dh_t^T x_t = db (per head)
+"Backwards" is the scan on token-reversed inputs (padded at the front to whole chunks) with
+log decay l'_s = l_{T-s} (the decay between a token and the one after it) and 0 where a
+sequence ends, so the gradient of a state enters undecayed and nothing crosses a sequence
+boundary.
 
-The decay gradient needs no state: treating the decay sums g_t = l_1 + ... + l_t as free,
-    dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t)   (+ dfinal . h_T at a sequence's last token)
-(every term of y_t carries exp(g_t); every term sent from token t carries exp(-g_t)), and
-dl_t is the sum of dg over t and the later tokens of its sequence. Then
+The decay gradient is dl_u = <dh_u, exp(l_u) h_{u-1}>. Where the backend has the kernel
+(Kernels.decay_grad), it sums products inside each chunk from the chunk states of scans 1 and 2
+(scan_reference.decay_grad_reference states the terms; sequence_edge_terms adds those of
+sequences that start or end inside a chunk with their own state or state gradient). Elsewhere it
+is the suffix sum over the rest of the sequence of
+    dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t)   (+ dfinal . h_T at a sequence's last token),
+the same value in exact arithmetic (every term of y_t carries exp(g_t), every term sent from t
+carries exp(-g_t)), but one whose terms cancel: fine in fp32/fp64 on a CPU, 4-20% off with bf16
+outputs (benchmarks/NOTES.md, experiment 34). Then
     ddt_t = x_t . (dh_t b_t) + a dl_t,    da = sum dt_t dl_t,    dinit = exp(l_first) dh_first.
 
 A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens) and returns
