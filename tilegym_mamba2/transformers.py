@@ -109,7 +109,8 @@ def apply_tilegym_kernel_to_mamba2(
     Prefill: ``causal_conv1d_fn`` over the prompt and ``mamba_chunk_scan_combined`` (its final
     states fill the cache); decode: ``causal_conv1d_update`` and ``selective_state_update`` in
     place on the cache. Neither mamba_ssm nor causal_conv1d needs to be installed. Mixers in
-    training mode, or called while autograd records (our kernels are forward-only), keep their
+    training mode, or called while autograd records (the conv and state-update kernels have no
+    backward), keep their
     own forward; ``generate()`` and ``torch.no_grad()`` / ``torch.inference_mode()`` calls use ours.
     Works with the mixers of transformers 5.3 and 5.17 (``STRUCTURES``).
 
