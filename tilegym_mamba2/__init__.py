@@ -1,8 +1,10 @@
-"""tilegym-mamba2: the Mamba-2 chunked-scan forward pass in cuTile Python, as a TileGym plugin.
+"""tilegym-mamba2: Mamba-2's chunked scan (forward and backward) and its serving ops in cuTile
+Python, as a TileGym plugin.
 
 Importing this package registers the ops of ``ops_registry.yaml`` with tilegym (when it is
-installed), so ``tilegym.ops.mamba2_chunk_forward`` runs our kernels under the "cutile"
-backend. The same op is callable directly as ``tilegym_mamba2.mamba2_chunk_forward``.
+installed), so ``tilegym.ops.mamba2_chunk_forward`` and the others run our kernels under the
+"cutile" backend. The same ops are callable directly from this package; the two scan ops are
+differentiable (autograd, torch.compile).
 """
 import torch
 
@@ -19,7 +21,7 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
     Per head: h_t = exp(a dt_t) h_{t-1} + dt_t x_t b_t^T,  y_t = h_t c_t + d x_t.
 
     Args:
-        x: [batch, tokens, heads, head_size], bfloat16, float16 or float32.
+        x: [batch, tokens, heads, head_size], bfloat16, float16 or float32 (pytorch: also float64).
         a: [heads] fp32, negative.   d: [heads] fp32, the skip connection.
         b, c: [batch, tokens, groups, state_size] in x's dtype; heads % groups == 0.
         dt: [batch, tokens, heads], positive (already through softplus).
@@ -30,6 +32,7 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
     Returns:
         out [batch, tokens, heads, head_size] in x's dtype,
         final_state [batch, heads, head_size, state_size] fp32.
+        Differentiable in every tensor input (mamba2_chunk_backward runs on backward).
     """
     if torch.compiler.is_compiling():  # straight to the custom op: the registry is not traceable
         return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
