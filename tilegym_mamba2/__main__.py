@@ -90,7 +90,8 @@ def run() -> int:
         print(f"cutile backend, {spec}:\n  first call {first:.1f} s (compile included), median {ms:.3f} ms,"
               f" error vs float64 reference: out {err[0]:.1e}, final_state {err[1]:.1e}")
         layer_err = layer_example("cuda")
-        return status or int(not all(e <= 1e-2 for e in (*err, layer_err)))  # NaN fails too
+        grad_err = gradient_example("cuda")
+        return status or int(not all(e <= 1e-2 for e in (*err, layer_err, grad_err)))  # NaN fails too
     from .reference import token_recurrence
     spec = Mamba2ProblemSpec(batch_size=1, num_tokens=300, num_groups=1, num_heads=4, state_size=64,
                              head_size=64, chunk_size=128, device="cpu")
@@ -100,8 +101,9 @@ def run() -> int:
     print(f"No GPU: pytorch backend on {spec.num_tokens} tokens vs the token recurrence: "
           f"out {_rel(out, ref_out):.1e}, final_state {_rel(final, ref_final):.1e}")
     layer_err = layer_example("cpu")
+    grad_err = gradient_example("cpu")
     print("Ahead-of-time compile of the cutile kernels for sm_90 (proves they compile; running them needs a GPU):")
-    return status or int(not layer_err <= 1e-2) or compile_all("sm_90")
+    return status or int(not (layer_err <= 1e-2 and grad_err <= 1e-2)) or compile_all("sm_90")
 
 
 def layer_example(device) -> float:
@@ -121,6 +123,31 @@ def layer_example(device) -> float:
     backend = "cutile" if device == "cuda" else "pytorch"
     print(f"mamba_chunk_scan_combined ({backend} backend), 3 packed sequences {lengths}, D per channel, "
           f"z, dt_bias, softplus, dt_limit: error vs the float64 definition {err:.1e} (out and varlen states)")
+    return err
+
+
+def gradient_example(device) -> float:
+    """Training: the layer op's gradients (every input, packed sequences, D per channel, z, dt_bias,
+    softplus) through autograd, against float64 autograd of its definition."""
+    import tilegym_mamba2
+    from .bench_layer import LayerCase, layer_inputs
+    from .layer_reference import layer_token_recurrence
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    args, lengths = layer_inputs(LayerCase("example", 1, 381, 2, 8, 64, 64, sequences=3), device, dtype)
+    args.update(D=torch.randn(8, 64, device=device))
+    del args["return_varlen_states"], args["cu_seqlens"]  # seq_idx marks the same sequences
+    names = ["x", "dt", "A", "B", "C", "D", "z", "dt_bias"]
+    dout = torch.randn(args["x"].shape, device=device, dtype=torch.float64)
+    ours = {k: args[k].detach().requires_grad_() for k in names}
+    out = tilegym_mamba2.mamba_chunk_scan_combined(**{**args, **ours}, chunk_size=64)
+    (out.double() * dout).sum().backward()
+    reference = {k: args[k].double().detach().requires_grad_() for k in names}
+    (layer_token_recurrence(**{**args, **reference})[0] * dout).sum().backward()
+    errors = [_rel(ours[k].grad, reference[k].grad) for k in names]
+    err = float("nan") if any(e != e for e in errors) else max(errors)
+    backend = "cutile" if device == "cuda" else "pytorch"
+    print(f"mamba_chunk_scan_combined backward ({backend} backend), same case: largest gradient error "
+          f"vs float64 autograd of the definition {err:.1e} (over d{', d'.join(names)})")
     return err
 
 
