@@ -133,7 +133,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
         next_decay[:, :-1] *= (seq_idx[:, 1:] == seq_idx[:, :-1])[..., None]
     rev_decay = _reverse(next_decay, pad)
     ones = _reverse(torch.ones_like(dt), pad)
-    rev_init = _reverse_init(dfinal_states, dvarlen_states, batch, x.shape[3], B.shape[3], x.device)
+    rev_init = _reverse_init(dfinal_states, dvarlen_states)
     dy_rev, b_rev, c_rev = _reverse(dy, pad), _reverse(B, pad), _reverse(C, pad)
 
     # 2: dh_t b_t, and dh at each sequence's first token.
@@ -245,7 +245,7 @@ def _unreverse(t, pad):
     return t[:, pad:].flip(1)
 
 
-def _reverse_init(dfinal_states, dvarlen_states, batch, head_size, state_size, device):
+def _reverse_init(dfinal_states, dvarlen_states):
     """The reversed scan starts each sequence from the gradient of its end state."""
     if dvarlen_states is None:
         return dfinal_states
