@@ -24,8 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .reference import (_chunked, _chunked_decay, _expand_groups, chunked_forward_reference,
-                        decay_cumsum_reference)
+from .reference import _chunked, _chunked_decay, _expand_groups, decay_cumsum_reference
 from .validation import check_scan_combined_args, compute_dtype, seq_idx_from_cu_seqlens
 
 
@@ -133,27 +132,17 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
                                     cu_seqlens, dt_softplus, dt_limit, return_final_states,
                                     return_varlen_states, backend="pytorch")
     x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = args[:12]
-    batch, tokens, heads, head_size = x.shape
     dtype = compute_dtype(x)
     dt = process_dt(dt, dt_bias, args.dt_softplus, args.dt_limit, dtype=dtype)
-    no_skip = torch.zeros(heads, dtype=dtype, device=x.device)
-
-    out = torch.empty(batch, tokens, heads, head_size, dtype=dtype, device=x.device)
-    final_states = torch.zeros(batch, heads, head_size, B.shape[3], dtype=dtype, device=x.device)
-    varlen = []
-    for row, start, end, init in _sequences(seq_idx, cu_seqlens, initial_states, batch, tokens):
-        part = slice(row, row + 1), slice(start, end)
-        y, h = chunked_forward_reference(x[part], A, B[part], C[part], no_skip, dt[part], init, chunk_size,
-                                         dtype=dtype)
-        out[part] = y
-        varlen.append(h[0])
-        final_states[row] = h[0]
+    from .scan_reference import scan_reference  # it builds on this module
+    out, final_states, varlen = scan_reference(x, B, C, dt, A.to(dtype) * dt, initial_states, seq_idx, cu_seqlens,
+                                               chunk_size=chunk_size, dtype=dtype)
     if D is not None:
         out = out + (D[:, None] if D.ndim == 1 else D) * x.to(dtype)
     if z is not None:
         out = out * F.silu(z.to(dtype))
     # mamba_ssm returns the per-sequence states in C's dtype (the final states in fp32).
-    varlen_states = torch.stack(varlen).to(C.dtype) if cu_seqlens is not None else None
+    varlen_states = varlen.to(C.dtype) if cu_seqlens is not None else None
     return _returns(out.to(x.dtype), final_states, varlen_states, args.return_final_states,
                     args.return_varlen_states)
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .validation import _expect_float, _expect_shape, _expect_tensor, check_cutile_device
+from .validation import _expect_shape, _expect_tensor, check_cutile_device
 
 CUTILE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PYTORCH_DTYPES = CUTILE_DTYPES + (torch.float64,)

@@ -13,7 +13,6 @@ overlap, so after the first they come from cache. The block holding the last tok
 the final states, the last width - 1 inputs.
 """
 import cuda.tile as ct
-import torch
 
 from ..serving_validation import check_conv_args
 from .launch import launch, new_output

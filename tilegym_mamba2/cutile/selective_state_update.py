@@ -14,7 +14,6 @@ With state_batch_indices, batch row i updates state[state_batch_indices[i]]; a n
 a padding row: its output is zeros and its block reads and writes no state.
 """
 import cuda.tile as ct
-import torch
 
 from ..serving_validation import check_state_update_args
 from .chunk_cumsum import SOFTPLUS_THRESHOLD, _log1p
