@@ -59,15 +59,14 @@ DECOMPOSITION_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(DECOMPOSITION_CASES))
-def test_decomposition_matches_float64_autograd(name):
-    """backward.py over the PyTorch scan in float64 is exact: it agrees with autograd through the
-    token recurrence to rounding, for every layer option (a wrong term would be off by O(1))."""
+def check_layer_backward(name, kernels, chunk_size, seed):
+    """layer_backward on DECOMPOSITION_CASES[name] against float64 autograd through the token
+    recurrence: every gradient to 1e-11 (a wrong term would be off by O(1))."""
     case = dict(DECOMPOSITION_CASES[name])
     softplus, limit = case.pop("softplus", True), case.pop("dt_limit", (0.0, INF))
     seq_idx = None if "seq_idx" not in case else torch.tensor(case.pop("seq_idx"))
     cu_seqlens, varlen = case.pop("cu_seqlens", None), case.pop("varlen", False)
-    t = layer_inputs(1234, sequences=None if cu_seqlens is None else cu_seqlens.numel() - 1, **case)
+    t = layer_inputs(seed, sequences=None if cu_seqlens is None else cu_seqlens.numel() - 1, **case)
     if not softplus:
         t["dt"] = t["dt"].abs() + 0.1
     names = list(t)
@@ -81,13 +80,23 @@ def test_decomposition_matches_float64_autograd(name):
     loss = (out * dout).sum() + (final * dfinal).sum() + ((states * dstates).sum() if varlen else 0)
     refs = torch.autograd.grad(loss, [leaves[k] for k in names])
 
-    saved = ScanCombinedArgs(t["x"], t["dt"], t["A"], t["B"], t["C"], 8, t["D"], t.get("z"), t.get("dt_bias"),
-                             t.get("initial_states"), seq_idx, cu_seqlens, softplus, limit, True, varlen)
-    kernels = Kernels(functools.partial(scan_reference, dtype=F64, chunk_size=8))
+    saved = ScanCombinedArgs(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size, t["D"], t.get("z"),
+                             t.get("dt_bias"), t.get("initial_states"), seq_idx, cu_seqlens, softplus, limit, True,
+                             varlen)
     grads = dict(zip(["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"],
                      layer_backward(kernels, saved, dout, dfinal, dstates)))
     for k, ref in zip(names, refs):
+        assert grads[k] is not None and grads[k].shape == ref.shape, k
         assert rel(grads[k], ref) < 1e-11, (k, rel(grads[k], ref))
+    if "initial_states" not in t:
+        assert grads["initial_states"] is None
+
+
+@pytest.mark.parametrize("name", list(DECOMPOSITION_CASES))
+def test_decomposition_matches_float64_autograd(name):
+    """backward.py over the PyTorch scan in float64 (the suffix-sum decay gradient) is exact for
+    every layer option."""
+    check_layer_backward(name, Kernels(functools.partial(scan_reference, dtype=F64, chunk_size=8)), 8, 1234)
 
 
 @pytest.mark.parametrize("seq", [None, [[0] * 10 + [1] * 20 + [2] * 15], [[0] * 8 + [1] * 1 + [2] * 20 + [3] * 16]])
@@ -422,35 +431,11 @@ def _exact_kernels_on_cpu(L):
     return Kernels(scan, decay_grad)
 
 
-@pytest.mark.parametrize("name", ["one_sequence", "channel_d_clamp", "seq_idx", "seq_idx_rows",
-                                  "per_sequence_init_varlen", "row_init_varlen", "cu_seqlens_no_init"])
+@pytest.mark.parametrize("name", list(DECOMPOSITION_CASES))
 def test_exact_decay_path_matches_float64_autograd(name, monkeypatch):
     """The path the cutile backend takes (chunk states, reversed scans padded to whole chunks,
-    decay_grad, per-sequence edge terms) with PyTorch standing in for the kernels, on 64-token
+    decay_grad, per-sequence edge terms) with PyTorch standing in for the kernels, on 16-token
     chunks: every gradient equals float64 autograd through the token recurrence."""
     import tilegym_mamba2.backward as backward
     monkeypatch.setattr(backward, "REVERSE_ALIGN", 16)
-    case = dict(DECOMPOSITION_CASES[name])
-    softplus, limit = case.pop("softplus", True), case.pop("dt_limit", (0.0, INF))
-    seq_idx = None if "seq_idx" not in case else torch.tensor(case.pop("seq_idx"))
-    cu_seqlens, varlen = case.pop("cu_seqlens", None), case.pop("varlen", False)
-    t = layer_inputs(99, sequences=None if cu_seqlens is None else cu_seqlens.numel() - 1, **case)
-    names = list(t)
-    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
-    out, final, states = layer_token_recurrence(
-        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], leaves["D"], leaves.get("z"),
-        leaves.get("dt_bias"), leaves.get("initial_states"), seq_idx, cu_seqlens, softplus, limit)
-    g = torch.Generator().manual_seed(6)
-    dout, dfinal = torch.randn(out.shape, generator=g, dtype=F64), torch.randn(final.shape, generator=g, dtype=F64)
-    dstates = torch.randn(states.shape, generator=g, dtype=F64) if varlen else None
-    loss = (out * dout).sum() + (final * dfinal).sum() + ((states * dstates).sum() if varlen else 0)
-    refs = torch.autograd.grad(loss, [leaves[k] for k in names])
-    saved = ScanCombinedArgs(t["x"], t["dt"], t["A"], t["B"], t["C"], 16, t["D"], t.get("z"), t.get("dt_bias"),
-                             t.get("initial_states"), seq_idx, cu_seqlens, softplus, limit, True, varlen)
-    grads = dict(zip(["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"],
-                     layer_backward(_exact_kernels_on_cpu(16), saved, dout, dfinal, dstates)))
-    for k, ref in zip(names, refs):
-        assert grads[k] is not None and grads[k].shape == ref.shape, k
-        assert rel(grads[k], ref) < 1e-11, (k, rel(grads[k], ref))
-    if "initial_states" not in t:
-        assert grads["initial_states"] is None
+    check_layer_backward(name, _exact_kernels_on_cpu(16), 16, 99)
