@@ -41,6 +41,14 @@ def inputs(batch, tokens, groups, heads, state, head, dtype, seed):
     return x, a, b, c, dt_raw, g
 
 
+def plain_case(batch, tokens, heads, state, seed, head=64):
+    """mamba2_chunk_forward's arguments (bf16, one group, an initial state) and the generator."""
+    x, a, b, c, dt_raw, g = inputs(batch, tokens, 1, heads, state, head, torch.bfloat16, seed)
+    d = torch.randn(heads, device="cuda", generator=g)
+    init = 0.1 * torch.randn(batch, heads, head, state, device="cuda", generator=g)
+    return x, a, b, c, d, torch.nn.functional.softplus(dt_raw), init, g
+
+
 PLAIN_CASES = [
     # batch, tokens, groups, heads, state, head, dtype, with init_state
     (2, 256, 1, 4, 64, 64, torch.bfloat16, True),
@@ -186,10 +194,7 @@ def test_layer_gradients_next_to_mamba_ssm():
 def test_plain_op_autograd_and_compile():
     """mamba2_chunk_forward under autograd equals mamba2_chunk_backward, eager and compiled."""
     seed = fresh_seed()
-    x, a, b, c, dt_raw, g = inputs(2, 500, 1, 4, 128, 64, torch.bfloat16, seed)
-    dt = torch.nn.functional.softplus(dt_raw)
-    d = torch.randn(4, device="cuda", generator=g)
-    init = 0.1 * torch.randn(2, 4, 64, 128, device="cuda", generator=g)
+    x, a, b, c, d, dt, init, g = plain_case(2, 500, 4, 128, seed)
     dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
     dfinal = torch.randn(init.shape, device="cuda", generator=g)
     expected = tilegym_mamba2.mamba2_chunk_backward(x, a, b, c, d, dt, init, dout, dfinal, 128)
@@ -209,10 +214,7 @@ def test_state_512_under_tilegym_backend_switch():
     """tilegym's own grid has state_size 512: with our op in the "cutile" slot it still runs."""
     import tilegym
     seed = fresh_seed()
-    x, a, b, c, dt_raw, g = inputs(2, 256, 1, 4, 512, 64, torch.bfloat16, seed)
-    dt = torch.nn.functional.softplus(dt_raw)
-    d = torch.randn(4, device="cuda", generator=g)
-    init = 0.1 * torch.randn(2, 4, 64, 512, device="cuda", generator=g)
+    x, a, b, c, d, dt, init, g = plain_case(2, 256, 4, 512, seed)
     tilegym.set_backend("cutile")
     with poisoned_outputs():
         out, final = tilegym.ops.mamba2_chunk_forward(x, a, b, c, d, dt, init, 128)
