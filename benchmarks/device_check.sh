@@ -31,6 +31,25 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+ninth)
+  # Ninth session's first call, one GPU: the state update's tile sweep alone on the GPU (experiment
+  # 37), then two backward test processes side by side: the packed-sequence cases, and the
+  # comparison with mamba_ssm's gradients next to the torch.compile test.
+  timeout "${SWEEP_S:-170}" python3 benchmarks/variants/state_update_tiles.py 1 8 64 256 > "$out/state_update_tiles.log" 2>&1
+  cat "$out/state_update_tiles.log"
+  limit=${LIMIT_S:-380}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "cu_seqlens or per_sequence" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_packed.log" 2>&1 &
+  one=$!
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_peer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "mamba_ssm or compile" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_peer.log" 2>&1
+  wait "$one"
+  for log in "$out"/gpu_packed.log "$out"/gpu_peer.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -12
+  done
+  ;;
 final)
   # Eighth session's last call, one GPU: host time on an idle machine first, then the GPU tests
   # not yet passed (BACKWARD_K picks the backward's) next to the HF patch's, then bench --serving,
