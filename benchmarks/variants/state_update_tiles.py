@@ -61,7 +61,7 @@ def main(batches):
         if peer is not None:
             us = graph_us([lambda a=a: peer(**a) for a in argsets])
             rows.append(("mamba_ssm", us))
-        head_tile0, _ = default_tiles(batch, case.heads, case.head_size, case.state_size)
+        head_tile0, _ = default_tiles(case.head_size, case.state_size)
         rows.append((f"ours as on main (head_tile {head_tile0})",
                      graph_us([lambda a=a: ssu.selective_state_update(**a) for a in argsets])))
         want = ssu.selective_state_update(**dict(argsets[0], state=ref.clone()))

@@ -23,7 +23,9 @@ from .launch import launch, new_output
 PER_HEAD, PER_CHANNEL, PER_ELEMENT = 0, 1, 2
 
 
-@ct.kernel
+# Eight blocks per SM: a block's loads are one dependent chain (state, then the update, then the
+# store), so the bandwidth comes from many blocks in flight (NOTES.md, experiment 37).
+@ct.kernel(occupancy=8)
 def selective_state_update_kernel(state, x, dt, dt_bias, A, B, C, D, z, indices, out,
                                   head_tile: ct.Constant[int], state_tile: ct.Constant[int],
                                   dt_mode: ct.Constant[int], a_mode: ct.Constant[int], d_mode: ct.Constant[int],
@@ -125,7 +127,7 @@ def run_state_update(args):
         indices = indices.contiguous()
 
     out = new_output(batch, heads, head_size, dtype=x.dtype, device=x.device)
-    head_tile, state_tile = tiles_for(batch, heads, head_size, state_size)
+    head_tile, state_tile = tiles_for(head_size, state_size)
     grid = (batch, heads, -(-head_size // head_tile))
     unused = x  # stands in for absent optional arrays; never read
     launch(grid, selective_state_update_kernel,
@@ -136,13 +138,13 @@ def run_state_update(args):
     return out
 
 
-def tiles_for(batch, heads, head_size, state_size):
+def tiles_for(head_size, state_size):
     """-> (head_tile, state_tile): the whole state row (state_size padded to a power of two) and
-    enough rows for ~4K elements per block (16 KiB of fp32 state), fewer when there are too few
-    blocks to fill the GPU (batch 1 decode)."""
+    enough rows for 2048 elements per block (8 KiB of fp32 state). At 8 blocks per SM this moved
+    the state at 3.3-3.5 TB/s on the H200 from batch 64 on, where 4096-element blocks at the
+    default occupancy moved it at 1.4 (NOTES.md, experiment 37)."""
     state_tile = _pow2(state_size)
-    target = 4096 if batch * heads >= 512 else 2048
-    head_tile = max(1, min(_pow2(head_size), target // state_tile))
+    head_tile = max(1, min(_pow2(head_size), 2048 // state_tile))
     return head_tile, state_tile
 
 
