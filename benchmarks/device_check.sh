@@ -31,6 +31,28 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+fused)
+  # Ninth session, one GPU: the backward on chunk_grads (experiment 38). Two backward test
+  # processes side by side (plain-op cases; layer cases with the mamba_ssm comparison), then
+  # alone on the GPU bench --backward against mamba_ssm and a profile of one 2.7B backward.
+  limit=${LIMIT_S:-300}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_plain.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "chunk_backward or compile or 512" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_plain.log" 2>&1 &
+  one=$!
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "layer" -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1
+  wait "$one"
+  for log in "$out"/gpu_plain.log "$out"/gpu_layer.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -12
+  done
+  timeout "${BENCH_S:-150}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  grep -E "fwd\+bwd|^\|" "$out/backward.log"
+  timeout "${PROFILE_S:-60}" python3 benchmarks/variants/backward_profile.py 2,8192,1,80,128,64 \
+    > "$out/backward_profile.log" 2>&1
+  head -22 "$out/backward_profile.log" | cut -c1-150
+  ;;
 ninth)
   # Ninth session's first call, one GPU: the state update's tile sweep alone on the GPU (experiment
   # 37), then two backward test processes side by side: the packed-sequence cases, and the

@@ -101,10 +101,12 @@ def test_decomposition_matches_float64_autograd(name):
 
 @pytest.mark.parametrize("seq", [None, [[0] * 10 + [1] * 20 + [2] * 15], [[0] * 8 + [1] * 1 + [2] * 20 + [3] * 16]])
 @pytest.mark.parametrize("tokens", [45, 40])
-def test_decay_grad_reference_is_the_state_product(seq, tokens):
-    """The chunk-local decay gradient (what cutile/decay_grad.py computes) equals
-    <dh_u, exp(l_u) h_{u-1}> from token-by-token states and state gradients, sequences included."""
-    from tilegym_mamba2.scan_reference import decay_grad_reference
+def test_chunk_grads_reference_is_the_token_by_token_gradient(seq, tokens):
+    """The chunk-local gradients (what cutile/chunk_grads.py computes) equal those from
+    token-by-token states h_t and state gradients dh_t, sequences included: dxs_t = dh_t b_t,
+    dc_t = h_t^T dy_t, db_t = w_t dh_t^T x_t (summed over a group's heads), ddt_input = x . dxs
+    and dl_u = <dh_u, exp(l_u) h_{u-1}>."""
+    from tilegym_mamba2.scan_reference import chunk_grads_reference
     g = torch.Generator().manual_seed(tokens)
     batch, groups, heads, state, head, L = 1, 2, 4, 5, 3, 8
     def randn(*shape):
@@ -139,9 +141,18 @@ def test_decay_grad_reference_is_the_state_product(seq, tokens):
     entry = torch.stack([h0[0] * (seq_idx[0, 0] == 0) if k == 0 else after[k * L - 1] for k in range(chunks)])
     end = torch.stack([dfinal[0] if (k + 1) * L >= tokens else torch.exp(l[0, (k + 1) * L])[:, None, None]
                        * grads[(k + 1) * L] for k in range(chunks)])
-    got = decay_grad_reference(x, b, c, dy, w, l, entry[None], end[None], None if seq is None else seq_idx,
-                               chunk_size=L)
-    assert torch.allclose(got[0], expected, rtol=1e-12, atol=1e-12)
+    got = chunk_grads_reference(x, b, c, dy, w, l, entry[None], end[None], None if seq is None else seq_idx,
+                                chunk_size=L)
+    dxs = torch.stack([torch.einsum("hpn,hn->hp", grads[t], br[t]) for t in range(tokens)])
+    dc = torch.stack([torch.einsum("hpn,hp->hn", after[t], dy[0, t]) for t in range(tokens)])
+    db = torch.stack([w[0, t][:, None] * torch.einsum("hpn,hp->hn", grads[t], x[0, t]) for t in range(tokens)])
+
+    def group_sums(t):
+        return t.reshape(tokens, groups, heads // groups, state).sum(2)
+
+    for name, value, want in zip(("dxs", "ddt_input", "dl", "db", "dc"), got,
+                                 (dxs, (x[0] * dxs).sum(-1), expected, group_sums(db), group_sums(dc))):
+        assert torch.allclose(value[0], want, rtol=1e-12, atol=1e-12), name
 
 
 def plain_inputs(seed=0, batch=2, tokens=50, groups=2, heads=4, state=16, head=8, dtype=torch.float32):
@@ -301,9 +312,10 @@ def test_backward_kernels_compile_ahead_of_time():
     for layer in (None, "packed", "sequence_states"):
         results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
         names = {name for name, _, _ in results}
-        expected = {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel", "decay_grad_kernel"}
+        # The plain op needs only chunk states; the layer op's z needs the forward's outputs.
+        expected = {"segment_states_kernel", "state_scan_kernel", "chunk_grads_kernel"}
         if layer is not None:
-            expected |= {"varlen_states_kernel"}
+            expected |= {"compute_out_kernel", "varlen_states_kernel"}
         if layer == "sequence_states":
             expected |= {"sequence_init_kernel"}
         assert names == expected, (layer, names)
@@ -405,10 +417,10 @@ def _chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L):
 
 
 def _exact_kernels_on_cpu(L):
-    """backward.Kernels with the chunk-local decay gradient, in PyTorch: the contract the cutile
-    scan and decay_grad keep (chunk states of the forward and of the reversed scan, the reversed
+    """backward.Kernels with the chunk-local gradients, in PyTorch: the contract the cutile scan
+    and chunk_grads keep (chunk states of the forward and of the reversed scan, the reversed
     scan's first decay of each chunk), so the exact path's orchestration runs on a CPU."""
-    from tilegym_mamba2.scan_reference import decay_grad_reference
+    from tilegym_mamba2.scan_reference import chunk_grads_reference
 
     def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, chunk_states=False,
              outputs=True):
@@ -419,22 +431,22 @@ def _exact_kernels_on_cpu(L):
         states = (_chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L), weight, log_decay)
         return (y if outputs else None), final, varlen, states
 
-    def decay_grad(x, b, c, dy, seq_idx, forward_states, reverse_states):
+    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states):
         entry, weight, log_decay = forward_states
         rev_entry, _, rev_decay = reverse_states
         chunks = entry.shape[1]
         # chunk k ends where reversed chunk K-1-k starts: dS = exp(its first decay) * its entry state
         first = rev_decay[:, ::L][:, :chunks].to(F64)                                # [batch, chunks, heads]
         ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
-        return decay_grad_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx, chunk_size=L)
+        return chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx, chunk_size=L)
 
-    return Kernels(scan, decay_grad)
+    return Kernels(scan, chunk_grads)
 
 
 @pytest.mark.parametrize("name", list(DECOMPOSITION_CASES))
 def test_exact_decay_path_matches_float64_autograd(name, monkeypatch):
     """The path the cutile backend takes (chunk states, reversed scans padded to whole chunks,
-    decay_grad, per-sequence edge terms) with PyTorch standing in for the kernels, on 16-token
+    chunk_grads, per-sequence edge terms) with PyTorch standing in for the kernels, on 16-token
     chunks: every gradient equals float64 autograd through the token recurrence."""
     import tilegym_mamba2.backward as backward
     monkeypatch.setattr(backward, "REVERSE_ALIGN", 16)

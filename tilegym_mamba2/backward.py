@@ -6,21 +6,24 @@ With dh_t the gradient reaching h_t (dh after the last token is dfinal_state):
     dh_t = exp(l_{t+1}) dh_{t+1} + dy_t c_t^T          the same scan, backwards in time
     dx_t = dt_t dh_t b_t            dc_t = h_t^T dy_t            db_t = dt_t dh_t^T x_t
 
-so four scans give everything that involves a state:
-    1. the forward again                                  -> its chunk states (y too, for dz)
-    2. backwards: x <- dy, b <- c, c <- b, weight 1       -> dh_t b_t, dh at the first token
-    3. forwards, transposed state: x <- b, b <- x, c <- dy -> dc (per head)
-    4. backwards, transposed: x <- c, b <- dy, c <- dt x  -> dt_t dh_t^T x_t = db (per head)
+Where the backend has chunk-local kernels (Kernels.chunk_grads, the cutile backend), two scans
+and one kernel give everything that involves a state:
+    1. the forward again                                  -> its chunk entry states (y too, for dz)
+    2. backwards: x <- dy, b <- c, weight 1               -> the chunk states of dh
+    3. chunk_grads: per chunk, from the state S entering it and the gradient dS of the state
+       leaving it, dxs_t = dh_t b_t, x_t . dxs_t, dc, db and the decay gradient
+       dl_u = <dh_u, exp(l_u) h_{u-1}> as sums of products within the chunk
+       (scan_reference.chunk_grads_reference states them; sequence_edge_terms adds what
+       sequences that start or end inside a chunk with their own state or state gradient add).
 "Backwards" is the scan on token-reversed inputs (padded at the front to whole chunks) with
 log decay l'_s = l_{T-s} (the decay between a token and the one after it) and 0 where a
 sequence ends, so the gradient of a state enters undecayed and nothing crosses a sequence
 boundary.
 
-The decay gradient is dl_u = <dh_u, exp(l_u) h_{u-1}>. Where the backend has the kernel
-(Kernels.decay_grad), it sums products inside each chunk from the chunk states of scans 1 and 2
-(scan_reference.decay_grad_reference states the terms; sequence_edge_terms adds those of
-sequences that start or end inside a chunk with their own state or state gradient). Elsewhere it
-is the suffix sum over the rest of the sequence of
+Elsewhere (the PyTorch scan) four scans give them: 1 and 2 with outputs (dh_t b_t from 2), then
+    3. forwards, transposed state: x <- b, b <- x, c <- dy -> dc (per head)
+    4. backwards, transposed: x <- c, b <- dy, c <- dt x  -> dt_t dh_t^T x_t = db (per head)
+and dl is the suffix sum over the rest of the sequence of
     dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t)   (+ dfinal . h_T at a sequence's last token),
 the same value in exact arithmetic (every term of y_t carries exp(g_t), every term sent from t
 carries exp(-g_t)), but one whose terms cancel: fine in fp32/fp64 on a CPU, 4-20% off with bf16
@@ -74,10 +77,10 @@ def kernels_for(backend, dtype) -> "Kernels":
 
 
 class Kernels(NamedTuple):
-    """What backward.py runs on: a scan, and (where the backend has it) the chunk-local decay
-    gradient, which needs the scans' chunk entry states (``chunk_states=True``)."""
+    """What backward.py runs on: a scan, and (where the backend has it) the chunk-local
+    gradients, which need the scans' chunk entry states (``chunk_states=True``)."""
     scan: Callable
-    decay_grad: Callable | None = None
+    chunk_grads: Callable | None = None
 
 
 def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -98,12 +101,12 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
     log_decay = A.to(acc) * dt
     per_sequence_init = (initial_states is not None and cu_seqlens is not None
                          and initial_states.shape[0] != batch)
-    exact = kernels.decay_grad is not None
+    exact = kernels.chunk_grads is not None
     row_init_as_sequences = no_init = False
     if exact and cu_seqlens is not None and cu_seqlens.numel() - 1 != batch and (
             per_sequence_init or dvarlen_states is not None):
         # Initial states and state gradients at sequence edges inside chunks: both scans take
-        # them per sequence, the decay gradient adds their terms (sequence_edge_terms).
+        # them per sequence, chunk_grads' results get their terms (sequence_edge_terms).
         state = (heads, x.shape[3], B.shape[3])
         sequences = cu_seqlens.numel() - 1
         if not per_sequence_init:
@@ -136,29 +139,34 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
     rev_init = _reverse_init(dfinal_states, dvarlen_states)
     dy_rev, b_rev, c_rev = _reverse(dy, pad), _reverse(B, pad), _reverse(C, pad)
 
-    # 2: dh_t b_t, and dh at each sequence's first token.
-    rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, **({'chunk_states': True} if exact else {}))
-    dxs, dh_first, dh_starts = rev[:3]
-    dxs = _unreverse(dxs, pad)
-    # 3 and 4 carry the transposed state: [state_size, head_size]. dt_t folds into x_t for db.
-    init_t = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
-    dc_heads = scan(_per_head(B, heads), x, dy, dt, log_decay, init_t, seq_idx, cu_seqlens)[0]
-    rev_init_t = None if rev_init is None else rev_init.transpose(-1, -2).contiguous()
-    x_dt_rev = _reverse(x, pad)
-    torch.mul(x_dt_rev, _reverse(dt, pad)[..., None], out=x_dt_rev)  # x * dt, rounded once
-    db_heads = scan(_per_head(c_rev, heads), dy_rev, x_dt_rev, ones, rev_decay, rev_init_t, seq_rev, cu_rev)[0]
-    dC = _group_sums(dc_heads, groups, acc)
-    dB = _group_sums(_unreverse(db_heads, pad), groups, acc)
-
-    # Elementwise passes over [batch, tokens, heads, head_size] are most of the backward's
-    # memory traffic: products in the inputs' dtype, sums and the rest in acc.
-    ddt_input = (x * dxs).sum(-1, dtype=acc)
     if exact:
-        dl = kernels.decay_grad(x, B, C, dy, seq_idx, states, rev[3]).to(acc)
+        # 2, states only: chunk_grads makes every gradient from the two scans' chunk states. The
+        # outputs' varlen states are dh at each sequence's first token (for per-sequence dinit).
+        rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, chunk_states=True,
+                   outputs=per_sequence_init)
+        dh_first, dh_starts = rev[1], rev[2]
+        dxs, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3])
         if per_sequence_init:
-            dl = dl + sequence_edge_terms(x, B, C, dy, dt, log_decay, cu_seqlens, seq_idx, initial_states,
-                                          rev_init.flip(0))
+            edges = sequence_edge_terms(x, B, C, dy, dt, log_decay, cu_seqlens, seq_idx, initial_states,
+                                        rev_init.flip(0))
+            dxs = dxs.to(acc) + edges.dxs
+            ddt_input = ddt_input + (x.to(acc) * edges.dxs).sum(-1)
+            dl, dB, dC = dl + edges.dl, dB + edges.db, dC + edges.dc
     else:
+        # 2: dh_t b_t, and dh at each sequence's first token.
+        dxs, dh_first, dh_starts = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev)
+        dxs = _unreverse(dxs, pad)
+        # 3 and 4 carry the transposed state: [state_size, head_size]. dt_t folds into x_t for db.
+        init_t = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
+        dc_heads = scan(_per_head(B, heads), x, dy, dt, log_decay, init_t, seq_idx, cu_seqlens)[0]
+        rev_init_t = None if rev_init is None else rev_init.transpose(-1, -2).contiguous()
+        x_dt_rev = _reverse(x, pad)
+        torch.mul(x_dt_rev, _reverse(dt, pad)[..., None], out=x_dt_rev)  # x * dt, rounded once
+        db_heads = scan(_per_head(c_rev, heads), dy_rev, x_dt_rev, ones, rev_decay, rev_init_t, seq_rev, cu_rev)[0]
+        dC = group_sums(dc_heads, groups, acc)
+        dB = group_sums(_unreverse(db_heads, pad), groups, acc)
+        ddt_input = (x * dxs).sum(-1, dtype=acc)
+        # The suffix sums of dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t) (+ the end states' terms).
         dg = (dy.to(acc) * y.to(acc)).sum(-1) - dt * ddt_input
         if dfinal_states is not None:
             dg[:, -1] += (dfinal_states.to(acc) * final_states.to(acc)).sum((-1, -2))
@@ -194,39 +202,54 @@ def input_grad(dxs, dt, dy, skip, dtype):
     return torch.addcmul(scaled, dy, skip, out=torch.empty(dxs.shape, dtype=dtype, device=dxs.device))
 
 
+class EdgeTerms(NamedTuple):
+    dl: torch.Tensor    # [1, tokens, heads]
+    dxs: torch.Tensor   # [1, tokens, heads, head_size]
+    db: torch.Tensor    # [1, tokens, groups, state_size]
+    dc: torch.Tensor
+
+
 def sequence_edge_terms(x, B, C, dy, weight, log_decay, cu_seqlens, seq_idx, starts, ends):
-    """What the chunk-local decay gradient leaves out when sequences (batch 1) start from their
-    own states I_s and their end states get gradients dE_s: the scans' chunk states hold neither
+    """What the chunk-local gradients leave out when sequences (batch 1) start from their own
+    states I_s and their end states get gradients dE_s: the scans' chunk states hold neither
     (they enter outputs by linearity, cutile/sequence_init.py). With h = h0 + h^I and
-    dh = dh0 + dh^E, the missing part of <dh_u, exp(l_u) h_{u-1}> for u in sequence s is
+    dh = dh0 + dh^E, where h^I_t = exp(g_t - g_{p-1}) I_s and dh^E_t = exp(g_e - g_t) dE_s for t
+    in sequence s (p, e: its first and last tokens; g: running sums of log decay), the missing
+    parts are dh^E_t b_t of dxs, w_t dh^E_t^T x_t of db, h^I_t^T dy_t of dc, and of
+    <dh_u, exp(l_u) h_{u-1}>:
 
         sum_{t >= u} exp(g_t - g_{p-1}) dy_t . (I_s c_t)        <dh0, h^I>
       + sum_{t < u} exp(g_e - g_t) w_t x_t . (dE_s b_t)          <dh^E, h0>
       + exp(g_e - g_{p-1}) <dE_s, I_s>                           <dh^E, h^I>
 
-    (p, e: the sequence's first and last tokens; g: running sums of log decay). No term is a
-    difference: nothing cancels. -> [1, tokens, heads]."""
+    No term is a difference: nothing cancels."""
     acc = log_decay.dtype
-    heads = x.shape[2]
+    heads, groups = x.shape[2], B.shape[2]
     per_head_b, per_head_c = _per_head(B, heads)[0], _per_head(C, heads)[0]
     running = torch.cat([log_decay.new_zeros(1, heads, dtype=torch.float64),
                          log_decay[0].to(torch.float64).cumsum(0)])          # running[t + 1] = g_t
     received = torch.zeros_like(log_decay[0])
     sent = torch.zeros_like(log_decay[0])
     constant = torch.zeros_like(log_decay[0])
+    dxs = torch.zeros(x.shape[1:], dtype=acc, device=x.device)
+    db = torch.zeros(*x.shape[1:3], B.shape[3], dtype=acc, device=x.device)
+    dc = torch.zeros_like(db)
     for s, (p, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
         g = running[p + 1:end + 1]
         into = torch.exp(g - running[p]).to(acc)                           # exp(g_t - g_{p-1})
         out_of = torch.exp(running[end] - g).to(acc)                       # exp(g_e - g_t)
         start, grad = starts[s].to(acc), ends[s].to(acc)
-        received[p:end] = into * torch.einsum("thp,hpn,thn->th", dy[0, p:end].to(acc), start,
-                                              per_head_c[p:end].to(acc))
-        sent[p:end] = out_of * weight[0, p:end] * torch.einsum("thp,hpn,thn->th", x[0, p:end].to(acc), grad,
-                                                               per_head_b[p:end].to(acc))
+        dxs[p:end] = out_of[..., None] * torch.einsum("hpn,thn->thp", grad, per_head_b[p:end].to(acc))
+        db[p:end] = (weight[0, p:end] * out_of)[..., None] * torch.einsum("hpn,thp->thn", grad, x[0, p:end].to(acc))
+        dc[p:end] = into[..., None] * torch.einsum("hpn,thp->thn", start, dy[0, p:end].to(acc))
+        received[p:end] = (dy[0, p:end].to(acc) * torch.einsum("hpn,thn->thp", start, per_head_c[p:end].to(acc))).sum(-1)
+        received[p:end] *= into
+        sent[p:end] = weight[0, p:end] * (x[0, p:end].to(acc) * dxs[p:end]).sum(-1)
         constant[p:end] = (torch.exp(running[end] - running[p]).to(acc) * (grad * start).sum((-1, -2)))
     suffix = _sequence_suffix_sums(received[None], seq_idx)
     before = (_sequence_suffix_sums(sent[None].flip(1), seq_idx.flip(1)).flip(1)) - sent[None]
-    return suffix + before + constant[None]
+    return EdgeTerms(suffix + before + constant[None], dxs[None], group_sums(db[None], groups, acc),
+                     group_sums(dc[None], groups, acc))
 
 
 REVERSE_ALIGN = 64  # the kernels' chunk length (cutile/tuning.py KERNEL_CHUNK)
@@ -265,7 +288,7 @@ def _per_head(bc, heads):
     return bc.repeat_interleave(heads // groups, dim=2)
 
 
-def _group_sums(per_head, groups, dtype):
+def group_sums(per_head, groups, dtype=torch.float32):
     """[batch, tokens, heads, n] -> [batch, tokens, groups, n], summed in ``dtype``."""
     batch, tokens, heads, n = per_head.shape
     return per_head.view(batch, tokens, groups, heads // groups, n).sum(3, dtype=dtype)

@@ -44,21 +44,29 @@ def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqle
     return y, final_states, (torch.stack(ends) if cu_seqlens is not None else None)
 
 
-def decay_grad_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads, seq_idx=None, *, chunk_size):
-    """The gradient of each token's log decay, dl_u = <dh_u, exp(l_u) h_{u-1}>, chunk by chunk with
-    no long sums (the kernel cutile/decay_grad.py computes the same). Per chunk with entry state S
-    (of the sequence carried in), dS the gradient of the state after the chunk (of the sequence
-    that goes on past it), g the in-chunk sums of log decay and G their total:
+def chunk_grads_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads, seq_idx=None, *, chunk_size):
+    """Every gradient of the scan that involves a state, chunk by chunk, from the state S entering
+    each chunk (of the sequence carried in) and the gradient dS of the state after it (of the
+    sequence that goes on past it); the kernel cutile/chunk_grads.py computes the same. With g the
+    in-chunk sums of log decay, G their total, D_ts = exp(g_t - g_s) for s <= t in one sequence
+    (else 0), and dh_t = sum_{t' >= t} D_t't dy_t' c_t'^T + exp(G - g_t) dS the state's gradient:
 
-        dl_u = sum_{s < u <= t, same sequence} exp(g_t - g_s) w_s (c_t . b_s)(dy_t . x_s)
-             + sum_{t >= u} exp(g_t) dy_t . (S c_t)            (t in the carried sequence)
-             + sum_{s < u} w_s exp(G - g_s) x_s . (dS b_s)     (s in the sequence going on)
-             + exp(G) <dS, S>                                  (u in both)
+        dxs_t = dh_t b_t = sum_{t' >= t} D_t't (c_t' . b_t) dy_t' + exp(G - g_t) dS b_t
+        dc_t = h_t^T dy_t = exp(g_t) S^T dy_t + sum_{s <= t} D_ts w_s (dy_t . x_s) b_s
+        db_s = w_s dh_s^T x_s = w_s (sum_{t >= s} D_ts (dy_t . x_s) c_t + exp(G - g_s) dS^T x_s)
+        dl_u = <dh_u, exp(l_u) h_{u-1}>
+             = sum_{s < u <= t} D_ts w_s (c_t . b_s)(dy_t . x_s) + sum_{t >= u} exp(g_t) dy_t . (S c_t)
+             + sum_{s < u} w_s exp(G - g_s) x_s . (dS b_s) + exp(G) <dS, S>
+
+    (the S terms only for tokens of the sequence carried in, the dS terms only for tokens of the
+    one going on). No term is a long sum: each is a product of quantities within one chunk.
 
     x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size]; weight,
     log_decay [batch, tokens, heads]; entry_states, end_grads [batch, chunks, heads, head_size,
-    state_size]; seq_idx [batch, tokens] or None -> dl [batch, tokens, heads]."""
+    state_size]; seq_idx [batch, tokens] or None -> (dxs like x, ddt_input = x . dxs and dl
+    [batch, tokens, heads], db, dc like b summed over each group's heads), in the states' dtype."""
     batch, tokens, heads, _ = x.shape
+    groups = b.shape[2]
     dtype = entry_states.dtype
     L = chunk_size
     chunks = -(-tokens // L)
@@ -70,7 +78,10 @@ def decay_grad_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads
             t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
         return t.reshape(batch, chunks, L, *t.shape[2:])
 
-    rep = heads // b.shape[2]
+    def unchunked(t):
+        return t.reshape(batch, chunks * L, *t.shape[3:])[:, :tokens]
+
+    rep = heads // groups
     xc, dyc = chunked(x), chunked(dy)
     bc, cc = chunked(b.repeat_interleave(rep, 2)), chunked(c.repeat_interleave(rep, 2))
     w, g = chunked(weight), chunked(log_decay).cumsum(2)          # [B, K, L, H]
@@ -80,25 +91,39 @@ def decay_grad_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads
     else:
         seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, pad)], 1)
     seq = seq.reshape(batch, chunks, L)
-    carried = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)[..., None] == seq        # [B, K, L]
-    going_on = torch.cat([seq[:, 1:, 0], seq[:, -1:, -1]], 1)[..., None] == seq
+    carried = (torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)[..., None] == seq)[..., None]   # [B, K, L, 1]
+    going_on = (torch.cat([seq[:, 1:, 0], seq[:, -1:, -1]], 1)[..., None] == seq)[..., None]
 
     same = (seq[..., :, None] == seq[..., None, :])[:, :, None]                     # [B, K, 1, L, L]
-    strictly_before = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1)
+    at_or_before = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()       # [t, s]: s <= t
     gh = g.permute(0, 1, 3, 2)                                                       # [B, K, H, L]
-    decay = torch.exp((gh[..., :, None] - gh[..., None, :]).masked_fill(~(strictly_before & same), -math.inf))
-    pairs = (decay * w.permute(0, 1, 3, 2)[..., None, :] * torch.einsum("bkthn,bkshn->bkhts", cc, bc)
-             * torch.einsum("bkthp,bkshp->bkhts", dyc, xc))                          # [B, K, H, t, s]
-    # sum over t >= u of sum over s < u
-    before_u = pairs.cumsum(-1) - pairs                                              # [.., t, u]: s < u
-    at_or_after = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()        # t >= u
-    dl = (before_u * at_or_after).sum(-2).permute(0, 1, 3, 2)                        # [B, K, L, H]
+    decay = torch.exp((gh[..., :, None] - gh[..., None, :]).masked_fill(~(at_or_before & same), -math.inf))
+    scores = torch.einsum("bkthn,bkshn->bkhts", cc, bc)                              # c_t . b_s
+    products = torch.einsum("bkthp,bkshp->bkhts", dyc, xc)                           # dy_t . x_s
+    from_end = torch.exp(g_end - g) * going_on                                       # [B, K, L, H]
+    into = torch.exp(g) * carried
 
-    received = torch.exp(g) * torch.einsum("bklhp,bkhpn,bklhn->bklh", dyc, entry_states, cc) * carried[..., None]
+    dxs = (torch.einsum("bkhts,bkthp->bkshp", decay * scores, dyc)
+           + from_end[..., None] * torch.einsum("bkhpn,bklhn->bklhp", end_grads, bc))
+    dc = (into[..., None] * torch.einsum("bkhpn,bkthp->bkthn", entry_states, dyc)
+          + torch.einsum("bkhts,bkshn->bkthn", decay * products * w.permute(0, 1, 3, 2)[..., None, :], bc))
+    db = w[..., None] * (torch.einsum("bkhts,bkthn->bkshn", decay * products, cc)
+                         + from_end[..., None] * torch.einsum("bkhpn,bklhp->bklhn", end_grads, xc))
+
+    # dl: pairs s < u <= t, the sum over t >= u of the sum over s < u
+    pairs = decay * w.permute(0, 1, 3, 2)[..., None, :] * scores * products          # [B, K, H, t, s]
+    before_u = pairs.cumsum(-1) - pairs
+    dl = (before_u * at_or_before).sum(-2).permute(0, 1, 3, 2)                       # [B, K, L, H]
+    received = into * torch.einsum("bklhp,bkhpn,bklhn->bklh", dyc, entry_states, cc)
     dl = dl + received.flip(2).cumsum(2).flip(2)
-    sent = (w * torch.exp(g_end - g) * torch.einsum("bklhp,bkhpn,bklhn->bklh", xc, end_grads, bc)
-            * going_on[..., None])
+    sent = w * from_end * torch.einsum("bklhp,bkhpn,bklhn->bklh", xc, end_grads, bc)
     dl = dl + sent.cumsum(2) - sent
     through = torch.exp(g_end) * (end_grads * entry_states).sum((-1, -2))[:, :, None]
-    dl = dl + through * (carried & going_on)[..., None]
-    return dl.reshape(batch, chunks * L, heads)[:, :tokens]
+    dl = dl + through * (carried & going_on)
+
+    def group_sums(t):
+        return t.reshape(*t.shape[:3], groups, rep, t.shape[-1]).sum(4)
+
+    dxs = unchunked(dxs)
+    return (dxs, (x.to(dtype) * dxs).sum(-1), unchunked(dl), unchunked(group_sums(db)),
+            unchunked(group_sums(dc)))

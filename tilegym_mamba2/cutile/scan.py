@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import torch
 
-from ..backward import Kernels
+from ..backward import Kernels, group_sums
 from ..reference import LOG2E
-from .decay_grad import decay_grad as decay_grad_kernel
+from .chunk_grads import chunk_grads as chunk_grads_kernel
 from .fwd_pass_state import fwd_pass_state
 from .scan_combined import scan_stages
 from .tuning import choose_config
@@ -24,7 +24,7 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     weight, log_decay [batch, tokens, heads] fp32 -> (y in x's dtype, final_states fp32,
     varlen_states fp32 with cu_seqlens else None), see scan_reference.scan_reference.
     ``chunk_states``: one segment per chunk, and a fourth value (entry states, one per chunk, and
-    the decay sums) for decay_grad; without ``outputs`` only the state pass runs (y is None)."""
+    the decay sums) for chunk_grads; without ``outputs`` only the state pass runs (y is None)."""
     batch, tokens, heads, head_size = x.shape
     groups, state_size = b.shape[2], b.shape[3]
     config = choose_config(batch, tokens, groups, heads, head_size, state_size, 64, x.device)
@@ -58,14 +58,18 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     return y, final_states, varlen
 
 
-def decay_grad(x, b, c, dy, seq_idx, forward_states, reverse_states):
-    """dl [batch, tokens, heads] from the forward scan's and the reversed scan's chunk states."""
+def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states):
+    """From the forward scan's and the reversed scan's chunk states -> (dxs like dy, ddt_input
+    and dl [batch, tokens, heads] fp32, db and dc [batch, tokens, groups, state_size] fp32)."""
     entry_states, decay_cumsum, weight_bht = forward_states
     rev_entry_states, rev_decay_cumsum, _ = reverse_states
+    tokens, groups = x.shape[1], b.shape[2]
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
-    dl = decay_grad_kernel(x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(), weight_bht,
-                           decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq, 64)
-    return dl[:, :, :x.shape[1]].transpose(1, 2)
+    dxs, ddt_input, dl, db, dc = chunk_grads_kernel(
+        x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(), weight_bht, decay_cumsum, entry_states,
+        rev_entry_states, rev_decay_cumsum, seq, 64)
+    return (dxs, ddt_input[:, :, :tokens].transpose(1, 2), dl[:, :, :tokens].transpose(1, 2),
+            group_sums(db, groups), group_sums(dc, groups))
 
 
-KERNELS = Kernels(scan, decay_grad)
+KERNELS = Kernels(scan, chunk_grads)

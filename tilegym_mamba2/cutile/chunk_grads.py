@@ -1,0 +1,129 @@
+"""Every gradient of the scan that involves a state, one block per (batch, head, chunk), from
+the chunk's entry state S and the gradient dS of the state it leaves
+(scan_reference.chunk_grads_reference states the formulas): dxs = dh b (for dx and ddt), x . dxs
+in fp32, dc and db of this head, and the log decay's gradient dl.
+
+Summing per-token terms of the forward and backward outputs over the rest of the sequence
+gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
+thousands of tokens and bf16 rounding is left: 0.04-0.2 relative error in ddt measured on the
+H200 (benchmarks/NOTES.md). Here every term is a sum of products within one chunk.
+
+The two chunk-by-chunk products, c_t . b_s and dy_t . x_s, each serve two gradients: with the
+decay D_ts they give dxs (and dl) and dc, db (and dl). Scanning the transposed state for dc and
+db instead (the first backward) ran two more passes over every token (experiment 34).
+
+Entry states are stored transposed, [.., chunks * state_size, head_size], as the state pass
+leaves them; the reversed scan's are in reversed chunk order, before its shifted decay (so
+dS = exp2(first reversed decay) * entry).
+"""
+import cuda.tile as ct
+import torch
+
+from .launch import launch, new_output
+
+
+@ct.kernel(occupancy=1)
+def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum,
+                       seq_idx, dxs, ddt_input, dl, db, dc, chunk_size: ct.Constant[int],
+                       head_size: ct.Constant[int], state_size: ct.Constant[int], has_seq: ct.Constant[bool]):
+    batch_head, chunk = ct.bid(0), ct.bid(1)
+    heads = x.shape[2]
+    batch, head = batch_head // heads, batch_head % heads
+    group = head // (heads // b.shape[2])
+    num_chunks = dt_bht.shape[2] // chunk_size
+    tokens = x.shape[1]
+    reversed_chunk = num_chunks - 1 - chunk
+    mma_dtype = x.dtype
+
+    x_tile = ct.load(x, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+    dy_tile = ct.load(dy, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+    b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+    c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+    dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+    g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+    g_end = ct.extract(g, (chunk_size - 1,), (1,))
+    rev_g = ct.load(rev_decay_cumsum, (batch, head, reversed_chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+    into_next = ct.exp2(ct.extract(rev_g, (0,), (1,)))  # the decay into the next chunk's first token
+
+    token = ct.arange(chunk_size, dtype=ct.int32)
+    at_or_before = token[:, None] >= token[None, :]    # [t, s]: s <= t
+    carried = token >= 0
+    going_on = token >= 0
+    same = at_or_before
+    if has_seq:
+        seq = ct.load(seq_idx, (batch, chunk), (1, chunk_size), padding_mode=ct.PaddingMode.ZERO).reshape(
+            (chunk_size,))
+        before = ct.load(seq_idx, (batch, max(chunk * chunk_size - 1, 0)), (1, 1)).reshape((1,))
+        after = ct.load(seq_idx, (batch, min((chunk + 1) * chunk_size, tokens - 1)), (1, 1)).reshape((1,))
+        carried = seq == before
+        going_on = seq == after
+        same = at_or_before & (seq[:, None] == seq[None, :])
+    never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
+    decay = ct.exp2(ct.where(same, g[:, None] - g[None, :], never))                  # D_ts
+    scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+    products = ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+    decayed_products = decay * products                                               # D_ts (dy_t . x_s)
+    into = ct.where(carried, ct.exp2(g), 0.0)
+    from_end = ct.where(going_on, ct.exp2(g_end - g), 0.0)
+
+    # dl from pairs s < u <= t: the sum over t >= u of the sum over s < u (s = t never counts).
+    pairs = decayed_products * dt_tile[None, :] * scores
+    before_u = ct.cumsum(pairs, axis=1) - pairs
+    dl_tile = ct.sum(ct.where(at_or_before, before_u, 0.0), axis=0)
+
+    # The entry state: received by t >= u (dl), and dc's first term.
+    state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
+        (state_size, head_size))
+    from_state = ct.mma(c_tile, state_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
+    received = into * ct.sum(dy_tile.astype(ct.float32) * from_state, axis=1)
+    dl_tile = dl_tile + ct.sum(received, axis=0, keepdims=True) - ct.cumsum(received, axis=0) + received
+    dc_tile = ct.mma(dy_tile, ct.transpose(state_t.astype(mma_dtype)),
+                     ct.zeros((chunk_size, state_size), dtype=ct.float32)) * into[:, None]
+    dc_tile = ct.mma((decayed_products * dt_tile[None, :]).astype(mma_dtype), b_tile, dc_tile)
+    ct.store(dc, (batch, chunk, head, 0), dc_tile.astype(dc.dtype).reshape((1, chunk_size, 1, state_size)))
+
+    # The gradient leaving the chunk: sent by s < u (dl), and dxs's and db's second terms.
+    grad_t = ct.load(rev_entry_states, (batch, head, reversed_chunk, 0), (1, 1, state_size, head_size)).reshape(
+        (state_size, head_size)) * into_next
+    to_grad = ct.mma(b_tile, grad_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
+    x_f32 = x_tile.astype(ct.float32)
+    sent = dt_tile * from_end * ct.sum(x_f32 * to_grad, axis=1)
+    dl_tile = dl_tile + ct.cumsum(sent, axis=0) - sent
+    dxs_tile = ct.mma(ct.transpose((decay * scores).astype(mma_dtype)), dy_tile, to_grad * from_end[:, None])
+    ct.store(dxs, (batch, chunk, head, 0), dxs_tile.astype(dxs.dtype).reshape((1, chunk_size, 1, head_size)))
+    ct.store(ddt_input, (batch, head, chunk), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, 1, chunk_size)))
+    db_tile = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
+                     ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
+    db_tile = ct.mma(ct.transpose(decayed_products.astype(mma_dtype)), c_tile, db_tile) * dt_tile[:, None]
+    ct.store(db, (batch, chunk, head, 0), db_tile.astype(db.dtype).reshape((1, chunk_size, 1, state_size)))
+
+    through = ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)
+    dl_tile = dl_tile + ct.where(carried & going_on, through, 0.0)
+    ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
+
+
+def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq_idx,
+                chunk_size):
+    """x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
+    dt_bht, decay_cumsum, rev_decay_cumsum [batch, heads, chunks * chunk_size];
+    entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
+    seq_idx [batch, tokens] int32 or None
+    -> (dxs like dy, ddt_input and dl [batch, heads, chunks * chunk_size] fp32,
+        db and dc per head [batch, tokens, heads, state_size]: fp32 when every head has its own
+        B and C, else in x's dtype, to be summed over each group's heads)."""
+    batch, tokens, heads, head_size = x.shape
+    state_size = b.shape[3]
+    padded = dt_bht.shape[2]
+    dxs = new_output(*dy.shape, dtype=dy.dtype, device=x.device)
+    ddt_input, dl = new_output(2, batch, heads, padded, dtype=torch.float32, device=x.device).unbind(0)
+    per_head_dtype = torch.float32 if b.shape[2] == heads else x.dtype
+    db, dc = new_output(2, batch, tokens, heads, state_size, dtype=per_head_dtype, device=x.device).unbind(0)
+    launch((batch * heads, padded // chunk_size), chunk_grads_kernel,
+           (x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum,
+            dl if seq_idx is None else seq_idx, dxs, ddt_input, dl, db, dc, chunk_size, head_size, state_size,
+            seq_idx is not None))
+    return dxs, ddt_input, dl, db, dc
