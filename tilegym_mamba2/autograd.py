@@ -44,14 +44,16 @@ def chunk_backward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, dt: Te
                    dout: Tensor, dfinal_state: Tensor, chunk_size: int, backend: str) -> list[Tensor]:
     grads = implementation("mamba2_chunk_backward", backend)(x, a, b, c, d, dt, init_state, dout, dfinal_state,
                                                              chunk_size)
-    return [g.clone() if _aliases(g, (x, a, b, c, d, dt, init_state, dout, dfinal_state)) else g for g in grads]
+    # Contiguous, as the fake's outputs are: compiled graphs assume the fake's strides.
+    return [g.clone() if _aliases(g, (x, a, b, c, d, dt, init_state, dout, dfinal_state)) else g.contiguous()
+            for g in grads]
 
 
 @chunk_backward.register_fake
 def _(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend):
     heads, state = x.shape[2], _state_dtype(x)
-    return [torch.empty_like(x), a.new_empty(heads, dtype=state), torch.empty_like(b), torch.empty_like(c),
-            d.new_empty(heads, dtype=state), torch.empty_like(dt),
+    return [x.new_empty(x.shape), a.new_empty(heads, dtype=state), b.new_empty(b.shape), c.new_empty(c.shape),
+            d.new_empty(heads, dtype=state), dt.new_empty(dt.shape),
             x.new_empty(x.shape[0], heads, x.shape[3], b.shape[3], dtype=state)]
 
 
@@ -105,13 +107,13 @@ def scan_combined_backward(dout: Tensor, dfinal_states: Tensor, dvarlen_states: 
     grads = run(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
                 seq_idx, cu_seqlens, dt_softplus, (dt_low, dt_high), backend=backend)
     inputs = (dout, dfinal_states, dvarlen_states, x, dt, A, B, C, D, z, dt_bias, initial_states)
-    return [x.new_empty(_NONE) if g is None else g.clone() if _aliases(g, inputs) else g for g in grads]
+    return [x.new_empty(_NONE) if g is None else g.clone() if _aliases(g, inputs) else g.contiguous() for g in grads]
 
 
 @scan_combined_backward.register_fake
 def _(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
       cu_seqlens, dt_softplus, dt_low, dt_high, backend):
-    return [x.new_empty(_NONE) if t is None else torch.empty_like(t)
+    return [x.new_empty(_NONE) if t is None else t.new_empty(t.shape)
             for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)]
 
 

@@ -95,7 +95,7 @@ def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entr
     dl_tile = dl_tile + ct.cumsum(sent, axis=0) - sent
     dxs_tile = ct.mma(ct.transpose((decay * scores).astype(mma_dtype)), dy_tile, to_grad * from_end[:, None])
     ct.store(dxs, (batch, chunk, head, 0), dxs_tile.astype(dxs.dtype).reshape((1, chunk_size, 1, head_size)))
-    ct.store(ddt_input, (batch, head, chunk), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, 1, chunk_size)))
+    ct.store(ddt_input, (batch, chunk, head), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, chunk_size, 1)))
     db_tile = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
                      ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
     db_tile = ct.mma(ct.transpose(decayed_products.astype(mma_dtype)), c_tile, db_tile) * dt_tile[:, None]
@@ -103,7 +103,7 @@ def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entr
 
     through = ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)
     dl_tile = dl_tile + ct.where(carried & going_on, through, 0.0)
-    ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
+    ct.store(dl, (batch, chunk, head), dl_tile.reshape((1, chunk_size, 1)))
 
 
 def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq_idx,
@@ -112,14 +112,14 @@ def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_state
     dt_bht, decay_cumsum, rev_decay_cumsum [batch, heads, chunks * chunk_size];
     entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
     seq_idx [batch, tokens] int32 or None
-    -> (dxs like dy, ddt_input and dl [batch, heads, chunks * chunk_size] fp32,
+    -> (dxs like dy, ddt_input and dl [batch, tokens, heads] fp32,
         db and dc per head [batch, tokens, heads, state_size]: fp32 when every head has its own
         B and C, else in x's dtype, to be summed over each group's heads)."""
     batch, tokens, heads, head_size = x.shape
     state_size = b.shape[3]
     padded = dt_bht.shape[2]
     dxs = new_output(*dy.shape, dtype=dy.dtype, device=x.device)
-    ddt_input, dl = new_output(2, batch, heads, padded, dtype=torch.float32, device=x.device).unbind(0)
+    ddt_input, dl = new_output(2, batch, tokens, heads, dtype=torch.float32, device=x.device).unbind(0)
     per_head_dtype = torch.float32 if b.shape[2] == heads else x.dtype
     db, dc = new_output(2, batch, tokens, heads, state_size, dtype=per_head_dtype, device=x.device).unbind(0)
     launch((batch * heads, padded // chunk_size), chunk_grads_kernel,

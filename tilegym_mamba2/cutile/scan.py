@@ -63,13 +63,12 @@ def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states):
     and dl [batch, tokens, heads] fp32, db and dc [batch, tokens, groups, state_size] fp32)."""
     entry_states, decay_cumsum, weight_bht = forward_states
     rev_entry_states, rev_decay_cumsum, _ = reverse_states
-    tokens, groups = x.shape[1], b.shape[2]
+    groups = b.shape[2]
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     dxs, ddt_input, dl, db, dc = chunk_grads_kernel(
         x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(), weight_bht, decay_cumsum, entry_states,
         rev_entry_states, rev_decay_cumsum, seq, 64)
-    return (dxs, ddt_input[:, :, :tokens].transpose(1, 2), dl[:, :, :tokens].transpose(1, 2),
-            group_sums(db, groups), group_sums(dc, groups))
+    return dxs, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups)
 
 
 KERNELS = Kernels(scan, chunk_grads)
