@@ -4,7 +4,8 @@
 
 selective_state_update in HF's call form (bench_serving.state_update_inputs: dt, dt_bias, A, D
 expanded with stride 0, z, softplus) and causal_conv1d_update in HF's (bench_serving.
-conv_update_inputs), each at batch 1 and 64 on Mamba2-2.7B's mixer, with the pieces of the call:
+conv_update_inputs), each at batch 1 and 64 on Mamba2-2.7B's mixer (the state update also with
+state_batch_indices over twice as many state rows), with the pieces of the call:
 the argument checks, the launch given checked arguments, and the plan lookup where the host code
 has plans (cutile/plan.py). ``ct.launch`` cannot run here: launches go to
 ``launch.recording_launches()`` and the CUDA device check is patched out. Tensors are on the CPU,
@@ -52,6 +53,8 @@ def pieces(batch):
     """name -> callable, the whole call first. Names stay the same across versions of the host
     code; a piece a version does not have is left out."""
     state_kw = bench_serving.state_update_inputs(ServingCase("selective_state_update", batch), device="cpu")
+    indexed_kw = bench_serving.state_update_inputs(ServingCase("selective_state_update", batch, indices=True),
+                                                   device="cpu")
     conv_kw = bench_serving.conv_update_inputs(ServingCase("causal_conv1d_update", batch), device="cpu")
     state_args = serving_validation.check_state_update_args(**state_kw, backend="cutile")
     conv_args = serving_validation.check_conv_update_args(**conv_kw, backend="cutile")
@@ -61,6 +64,7 @@ def pieces(batch):
                                                                                        backend="cutile"),
         "  run_state_update (checked args)": lambda: state_module.run_state_update(state_args),
         "  plan.signature + lookup": None,
+        "  the same with state_batch_indices": lambda: state_module.selective_state_update(**indexed_kw),
         f"causal_conv1d_update, batch {batch}": lambda: conv_module.causal_conv1d_update(**conv_kw),
         "  check_conv_update_args": lambda: serving_validation.check_conv_update_args(**conv_kw, backend="cutile"),
         "  run_conv_update (checked args)": lambda: conv_module.run_conv_update(conv_args),
