@@ -53,13 +53,8 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if state.ndim not in (3, 4):
         raise ValueError(f"state must be [slots, heads, head_size, state_size] or [slots, dim, state_size], "
                          f"got shape {tuple(state.shape)}")
-    has_heads = state.ndim == 4
-    # Lift each argument of the form without heads to the per-head form, one head.
-    state = _lift(state, 3, 1)
-    x, dt, z = (_lift(t, 2, 1) for t in (x, dt, z))
-    A = _lift(A, 2, 0)
-    B, C = _lift(B, 2, 1), _lift(C, 2, 1)
-    D, dt_bias = _lift(D, 1, 0), _lift(dt_bias, 1, 0)
+    args = state_update_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+    state, x, dt, A, B, C, D, z, dt_bias = args[:9]
 
     slots, heads, head_size, state_size = state.shape
     if x.ndim != 3:
@@ -96,7 +91,16 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if backend == "cutile" and state_size > CUTILE_MAX_STATE_SIZE:
         raise ValueError(f"state_size (last dimension of state) must be at most {CUTILE_MAX_STATE_SIZE} for the "
                          f"cutile backend, got {state_size}; the pytorch backend takes any size")
-    return StateUpdateArgs(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, has_heads)
+    return args
+
+
+def state_update_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices) -> StateUpdateArgs:
+    """check_state_update_args' result without its checks, for arguments already known to pass
+    them (cutile/plan.py): each argument of the form without heads lifted to the per-head form,
+    one head."""
+    return StateUpdateArgs(_lift(state, 3, 1), _lift(x, 2, 1), _lift(dt, 2, 1), _lift(A, 2, 0), _lift(B, 2, 1),
+                           _lift(C, 2, 1), _lift(D, 1, 0), _lift(z, 2, 1), _lift(dt_bias, 1, 0), dt_softplus,
+                           state_batch_indices, state.ndim == 4)
 
 
 class ConvArgs(NamedTuple):
@@ -169,9 +173,7 @@ def check_conv_update_args(x, conv_state, weight, bias=None, activation=None, ca
     _expect_tensor("x", x)
     if x.ndim not in (2, 3):
         raise ValueError(f"x must be [batch, dim] or [batch, dim, seqlen], got shape {tuple(x.shape)}")
-    squeeze = x.ndim == 2
-    x3 = x.unsqueeze(-1) if squeeze else x
-    batch, dim, tokens = x3.shape
+    batch, dim, tokens = (*x.shape, 1) if x.ndim == 2 else x.shape
     if min(batch, dim, tokens) < 1:
         raise ValueError(f"x must have no empty dimension, got {tuple(x.shape)}")
     _expect_dtype("x", x, dtypes, backend)
@@ -186,7 +188,7 @@ def check_conv_update_args(x, conv_state, weight, bias=None, activation=None, ca
         raise ValueError(f"conv_state's state_len (last dimension) must be at least width - 1 = {width - 1}, "
                          f"got {state_len}")
     _expect_no_overlap("conv_state", conv_state)
-    silu = _check_activation(activation)
+    _check_activation(activation)
     if cache_seqlens is not None:
         _expect_indices("cache_seqlens", cache_seqlens, batch)
     if conv_state_indices is None:
@@ -197,7 +199,15 @@ def check_conv_update_args(x, conv_state, weight, bias=None, activation=None, ca
         _expect_indices("conv_state_indices", conv_state_indices, batch)
     _check_devices({"x": x, "conv_state": conv_state, "weight": weight, "bias": bias, "cache_seqlens": cache_seqlens,
                     "conv_state_indices": conv_state_indices}, backend)
-    return ConvUpdateArgs(x3, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices, squeeze)
+    return conv_update_args(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+
+
+def conv_update_args(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices) -> ConvUpdateArgs:
+    """check_conv_update_args' result without its checks, for arguments already known to pass
+    them (cutile/plan.py): x [batch, dim] as [batch, dim, 1]."""
+    squeeze = x.ndim == 2
+    return ConvUpdateArgs(x.unsqueeze(-1) if squeeze else x, conv_state, weight, bias, activation is not None,
+                          cache_seqlens, conv_state_indices, squeeze)
 
 
 # ---------------------------------------------------------------- helpers

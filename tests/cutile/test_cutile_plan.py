@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("cuda.tile")
 
-from tilegym_mamba2 import validation  # noqa: E402
+from tilegym_mamba2 import serving_validation, validation  # noqa: E402
 from tilegym_mamba2.cutile import plan  # noqa: E402
 from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
 
@@ -22,6 +22,9 @@ def cpu_as_cuda(monkeypatch):
     monkeypatch.setattr(validation, "_check_cutile_limits",
                         lambda device, *sizes: check_limits(torch.device("cuda", 0), *sizes)
                         if device.type == "cpu" else check_limits(device, *sizes))
+    check_device = validation.check_cutile_device  # the decode-step ops' device check
+    monkeypatch.setattr(serving_validation, "check_cutile_device",
+                        lambda device: check_device(torch.device("cuda", 0) if device.type == "cpu" else device))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
     plan.forget()
@@ -184,16 +187,19 @@ FORWARD_BAD = {
 }
 
 
+def assert_same_error_after_a_plan(op, kw, bad_kw):
+    expected = error_of(op, bad_kw)  # no plan yet
+    with recording_launches():
+        op(**kw)  # settles the plan of the good signature
+    assert len(plan._plans) > 0
+    assert error_of(op, bad_kw) == expected
+    assert error_of(op, bad_kw) == expected  # a failed call leaves no plan
+
+
 @pytest.mark.parametrize("bad", FORWARD_BAD, ids=list(FORWARD_BAD))
 def test_bad_forward_input_after_a_plan_gets_the_same_error(bad):
     kw = forward_inputs()
-    bad_kw = FORWARD_BAD[bad](kw)
-    expected = error_of(forward, bad_kw)  # no plan yet
-    with recording_launches():
-        forward(**kw)  # settles the plan of the good signature
-    assert len(plan._plans) > 0
-    assert error_of(forward, bad_kw) == expected
-    assert error_of(forward, bad_kw) == expected  # a failed call leaves no plan
+    assert_same_error_after_a_plan(forward, kw, FORWARD_BAD[bad](kw))
 
 
 LAYER_BAD = {
@@ -289,3 +295,154 @@ def test_tuning_switches_follow_the_environment(fast, monkeypatch):
                 monkeypatch.setenv(name, value + name)
         seen.append(tuning.tuning_switches())
     assert len(set(seen)) == 3 and seen[-1] == (None, None, None)
+
+
+# ---- the decode-step ops: selective_state_update and causal_conv1d_update ------------------------
+
+def state_update_inputs(form=(), batch=3, heads=4, head_size=16, state_size=32, groups=2, seed=2):
+    """Keyword arguments of selective_state_update. By default HF's Mamba-2 call: dt, A, D and
+    dt_bias expanded with stride 0 from per-head values, z, softplus. ``form`` changes it."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    h, p, n = heads, head_size, state_size
+    kw = dict(state=randn(batch, h, p, n, dtype=torch.float32), x=randn(batch, h, p),
+              dt=randn(batch, h, 1).expand(-1, -1, p), A=-randn(h, 1, 1, dtype=torch.float32).abs().expand(-1, p, n),
+              B=randn(batch, groups, n), C=randn(batch, groups, n), D=randn(h, 1).expand(-1, p), z=randn(batch, h, p),
+              dt_bias=randn(h, 1).expand(-1, p), dt_softplus=True)
+    if "per channel" in form:  # dt, dt_bias and D per channel, A per channel
+        kw.update(dt=randn(batch, h, p), dt_bias=randn(h, p), D=randn(h, p),
+                  A=-randn(h, p, 1, dtype=torch.float32).abs().expand(-1, -1, n))
+    if "A per element" in form:
+        kw["A"] = -randn(h, p, n, dtype=torch.float32).abs()
+    if "B expanded" in form:  # read per element: made dense on every call
+        kw["B"] = randn(1, groups, n).expand(batch, -1, -1)
+    for name in ("z", "D", "dt_bias"):
+        if f"no {name}" in form:
+            kw[name] = None
+    if "no softplus" in form:
+        kw["dt_softplus"] = False
+    if "indices" in form:  # a padding row too
+        kw["state"] = randn(2 * batch, h, p, n, dtype=torch.float32)
+        kw["state_batch_indices"] = torch.tensor([4, -1, 1][:batch], dtype=torch.int32)
+    if "without heads" in form:  # mamba_ssm's 3-D form: one head of head_size channels
+        kw = state_update_inputs(("per channel",), batch, 1, head_size, state_size, 1, seed)
+        kw = {k: v.squeeze(0 if k in ("A", "D", "dt_bias") else 1) if isinstance(v, torch.Tensor) else v
+              for k, v in kw.items()}
+    return kw
+
+
+def conv_update_inputs(form=(), batch=3, dim=40, width=4, seed=3):
+    """Keyword arguments of causal_conv1d_update: by default HF's decode step (x [batch, dim],
+    conv_state [batch, dim, width], bias, silu)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+    kw = dict(x=randn(batch, dim), conv_state=randn(batch, dim, width), weight=randn(dim, width),
+              bias=randn(dim), activation="silu")
+    if "tokens" in form:
+        kw["x"] = randn(batch, 5, dim).transpose(1, 2)  # [batch, dim, 5], channel-last as HF keeps it
+    if "no bias" in form:
+        kw.update(bias=None, activation=None)
+    if "circular" in form:
+        kw.update(conv_state=randn(batch, dim, 8), cache_seqlens=torch.tensor([3, 9, 0][:batch], dtype=torch.int32))
+    if "indices" in form:
+        kw.update(conv_state=randn(2 * batch, dim, width), conv_state_indices=torch.tensor([5, -1, 0][:batch]))
+    return kw
+
+
+def state_update(**kw):
+    from tilegym_mamba2.cutile.selective_state_update import selective_state_update
+    return selective_state_update(**kw)
+
+
+def conv_update(**kw):
+    from tilegym_mamba2.cutile.causal_conv1d_update import causal_conv1d_update
+    return causal_conv1d_update(**kw)
+
+
+def counting_serving_checks(monkeypatch):
+    """Counts full checks of either decode-step op."""
+    from tilegym_mamba2.cutile import causal_conv1d_update, selective_state_update
+    calls = []
+    for module, name in ((selective_state_update, "check_state_update_args"),
+                         (causal_conv1d_update, "check_conv_update_args")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _original=original, **k: calls.append(1) or _original(*a, **k))
+    return calls
+
+
+SERVING_CASES = {
+    "state update, HF's call": (state_update, state_update_inputs, ()),
+    "state update, per channel, indices": (state_update, state_update_inputs, ("per channel", "indices")),
+    "state update, A per element, no z": (state_update, state_update_inputs, ("A per element", "no z")),
+    "state update, no D, no dt_bias, no softplus": (state_update, state_update_inputs,
+                                                    ("no D", "no dt_bias", "no softplus")),
+    "state update, B expanded": (state_update, state_update_inputs, ("B expanded", "indices")),
+    "state update, without heads": (state_update, state_update_inputs, ("without heads",)),
+    "conv update, HF's step": (conv_update, conv_update_inputs, ()),
+    "conv update, tokens, indices": (conv_update, conv_update_inputs, ("tokens", "indices")),
+    "conv update, circular, no bias": (conv_update, conv_update_inputs, ("circular", "no bias")),
+}
+
+
+@pytest.mark.parametrize("case", SERVING_CASES, ids=list(SERVING_CASES))
+def test_planned_decode_step_launches_what_the_checked_path_launches(case, monkeypatch):
+    op, inputs, form = SERVING_CASES[case]
+    kw = inputs(form)
+    checks = counting_serving_checks(monkeypatch)
+    first = recorded(op, kw, kw)
+    again = recorded(op, kw, kw)
+    assert checks == [1]  # the plan's: no second check
+    plan.forget()
+    unplanned = recorded(op, kw, kw)
+    assert checks == [1, 1]
+    assert first == again == unplanned and len(first) == 1
+
+
+def test_planned_decode_step_returns_the_output_it_launched():
+    """The output of the form without heads (and of x [batch, dim]) is squeezed on a planned call too."""
+    for op, kw in ((state_update, state_update_inputs(("without heads",))), (conv_update, conv_update_inputs())):
+        with recording_launches() as launches:
+            outs = [op(**kw), op(**kw)]
+        assert [out.shape for out in outs] == [kw["x"].shape] * 2
+        for out, (_, args) in zip(outs, launches, strict=True):
+            assert out.data_ptr() in [arg.data_ptr() for arg in args if isinstance(arg, torch.Tensor)]
+
+
+SERVING_BAD = {
+    "state expanded (only its strides differ)":
+        (state_update, lambda kw: dict(kw, state=kw["state"][:1].expand_as(kw["state"]))),
+    "dt_softplus 1": (state_update, lambda kw: dict(kw, dt_softplus=1)),
+    "x's dtype": (state_update, lambda kw: dict(kw, x=kw["x"].double())),
+    "B's shape": (state_update, lambda kw: dict(kw, B=kw["B"][:, :1])),
+    "A a list": (state_update, lambda kw: dict(kw, A=kw["A"].tolist())),
+    "state_batch_indices float": (state_update, lambda kw: dict(kw, state_batch_indices=torch.zeros(3))),
+    "state_batch_indices on another device":
+        (state_update, lambda kw: dict(kw, state_batch_indices=torch.zeros(3, dtype=torch.int32, device="meta"))),
+    "conv_state expanded (only its strides differ)":
+        (conv_update, lambda kw: dict(kw, conv_state=kw["conv_state"][:1].expand_as(kw["conv_state"]))),
+    "activation relu": (conv_update, lambda kw: dict(kw, activation="relu")),
+    "weight's width": (conv_update, lambda kw: dict(kw, weight=kw["weight"][:, :1])),
+    "cache_seqlens' shape": (conv_update, lambda kw: dict(kw, cache_seqlens=torch.zeros(2, dtype=torch.int32))),
+}
+
+
+@pytest.mark.parametrize("bad", SERVING_BAD, ids=list(SERVING_BAD))
+def test_bad_decode_step_input_after_a_plan_gets_the_same_error(bad):
+    op, make_bad = SERVING_BAD[bad]
+    kw = state_update_inputs() if op is state_update else conv_update_inputs()
+    assert_same_error_after_a_plan(op, kw, make_bad(kw))
+
+
+def test_no_decode_step_plan_is_remembered_during_graph_capture(monkeypatch):
+    checks = counting_serving_checks(monkeypatch)
+    monkeypatch.setattr(plan, "capturing", lambda: True)
+    for op, kw in ((state_update, state_update_inputs()), (conv_update, conv_update_inputs())):
+        recorded(op, kw, kw)
+        recorded(op, kw, kw)
+    assert plan._plans == {} and checks == [1, 1, 1, 1]

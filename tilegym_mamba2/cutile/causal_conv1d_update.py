@@ -14,7 +14,8 @@ written).
 """
 import cuda.tile as ct
 
-from ..serving_validation import check_conv_update_args
+from ..serving_validation import check_conv_update_args, conv_update_args
+from . import plan
 from .launch import launch, new_output
 
 
@@ -98,28 +99,44 @@ def _select(values, at, positions, size, count):
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
                          conv_state_indices=None):
     """causal_conv1d's causal_conv1d_update on CUDA tensors: conv_state updated in place, returns
-    out like x (x's dtype)."""
-    args = check_conv_update_args(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
-                                  backend="cutile")
-    out = run_conv_update(args)
+    out like x (x's dtype). A repeated call (the same shapes, strides, dtypes, devices and
+    activation) skips the checks: its plan (plan.py) holds the launch's grid and constants."""
+    key = plan.signature("causal_conv1d_update", x, conv_state, weight, bias, activation, cache_seqlens,
+                         conv_state_indices, strides=True)
+    planned = plan.planned(key)
+    if planned is None:
+        args = check_conv_update_args(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
+                                      backend="cutile")
+    else:
+        args = conv_update_args(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+    settled = planned or launch_plan(args)
+    out = run_conv_update(args, settled)
+    if planned is None:
+        plan.remember(key, settled)  # after the launch, as the forward: a call that failed leaves no plan
     return out.squeeze(-1) if args.squeeze else out
 
 
-def run_conv_update(args):
-    """Checked arguments -> out [batch, dim, tokens]; the one launch."""
+def launch_plan(args):
+    """Checked arguments -> (grid, the kernel's constants): all that their shapes and flags settle."""
     x, conv_state, weight, bias, silu, cache_seqlens, indices, _ = args
     batch, dim, tokens = x.shape
-    width, state_len = weight.shape[1], conv_state.shape[2]
-    out = new_output(batch, dim, tokens, dtype=x.dtype, device=x.device)
-    token_tile, state_tile = _pow2(tokens), _pow2(state_len)
+    token_tile, state_tile = _pow2(tokens), _pow2(conv_state.shape[2])
     dim_tile = dim_tile_for(batch, dim, token_tile, state_tile)
+    return (batch, -(-dim // dim_tile)), (weight.shape[1], token_tile, dim_tile, state_tile, bias is not None,
+                                          cache_seqlens is not None, indices is not None, silu)
+
+
+def run_conv_update(args, settled=None):
+    """Checked arguments -> out [batch, dim, tokens]; the one launch. ``settled``:
+    launch_plan(args), or that of an earlier call with the same signature."""
+    x, conv_state, weight, bias, _, cache_seqlens, indices, _ = args
+    grid, constants = settled or launch_plan(args)
+    out = new_output(*x.shape, dtype=x.dtype, device=x.device)
     unused = x  # stands in for absent optional arrays; never read
-    launch((batch, -(-dim // dim_tile)), causal_conv1d_update_kernel,
+    launch(grid, causal_conv1d_update_kernel,
            (x, conv_state, weight, unused if bias is None else bias,
             unused if cache_seqlens is None else cache_seqlens.contiguous(),
-            unused if indices is None else indices.contiguous(), out,
-            width, token_tile, dim_tile, state_tile, bias is not None, cache_seqlens is not None,
-            indices is not None, silu))
+            unused if indices is None else indices.contiguous(), out, *constants))
     return out
 
 

@@ -7,8 +7,12 @@ a later call with the same signature skips both, which measured most of our Pyth
 (benchmarks/NOTES.md, experiment 33). A bad argument never gets a plan, so it meets the full
 checks and their errors on every call.
 
-Strides are not part of a signature: the conversions (contiguous, fp32) run on every call, as
-no-ops when the tensors are already right, and cuTile specializes each launch on what it is given.
+Strides are not part of the forward ops' signatures: their conversions (contiguous, fp32) run on
+every call, as no-ops when the tensors are already right, and cuTile specializes each launch on
+what it is given. The decode-step ops (selective_state_update, causal_conv1d_update) have no
+config; their plan is their launch's grid and constants, and their signatures hold strides
+(strides=True): their checks (a state written in place must not be expanded) and their kernels'
+modes (a dt expanded with stride 0 is read once per head) read them.
 
 Nothing is remembered while a CUDA graph is being captured: there the config is the heuristic's
 or a saved one, not a settled choice (tuning.py), and a later call outside the capture settles it.
@@ -23,16 +27,17 @@ _plans: dict = {}
 _SCALARS = frozenset((type(None), bool, int, float, str))
 
 
-def signature(*args) -> tuple | None:
+def signature(*args, strides=False) -> tuple | None:
     """The call's signature (a hashable tuple), or None where an argument is not a tensor, None,
-    a number, a string, or a tuple or list of those (such a call is checked in full)."""
+    a number, a string, or a tuple or list of those (such a call is checked in full). With
+    ``strides``, each tensor's strides are part of it."""
     parts = []
     for value in args:
         kind = type(value)
         if kind in _SCALARS:  # the type too: True == 1 == 1.0, and the checks tell them apart
             parts.append((kind, value))
         elif isinstance(value, torch.Tensor):
-            parts.append((kind, value.shape, value.dtype, value.device))
+            parts.append((kind, value.shape, value.dtype, value.device, strides and value.stride()))
         elif (kind is tuple or kind is list) and all(type(item) in _SCALARS for item in value):
             parts.append((kind, *value, *map(type, value)))
         else:
