@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.backward import Kernels, layer_backward
+from tilegym_mamba2.backward import Kernels, input_grad, layer_backward
 from tilegym_mamba2.layer_reference import layer_token_recurrence
 from tilegym_mamba2.reference import token_recurrence
 from tilegym_mamba2.scan_reference import scan_reference
@@ -431,14 +431,15 @@ def _exact_kernels_on_cpu(L):
         states = (_chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L), weight, log_decay)
         return (y if outputs else None), final, varlen, states
 
-    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states):
+    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip):
         entry, weight, log_decay = forward_states
         rev_entry, _, rev_decay = reverse_states
         chunks = entry.shape[1]
         # chunk k ends where reversed chunk K-1-k starts: dS = exp(its first decay) * its entry state
         first = rev_decay[:, ::L][:, :chunks].to(F64)                                # [batch, chunks, heads]
         ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
-        return chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx, chunk_size=L)
+        dxs, *rest = chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx, chunk_size=L)
+        return input_grad(dxs, weight.to(F64), dy, skip, x.dtype), *rest
 
     return Kernels(scan, chunk_grads)
 

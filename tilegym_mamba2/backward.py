@@ -83,16 +83,16 @@ class Kernels(NamedTuple):
     chunk_grads: Callable | None = None
 
 
-def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=None, cu_seqlens=None,
+def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None, seq_idx=None, cu_seqlens=None,
                   dfinal_states=None, dvarlen_states=None, want_y=False):
     """Gradients of (y, final_states, varlen_states) = scan(x, B, C, dt, A * dt, initial_states, ...).
 
     dt is the processed dt [batch, tokens, heads]; dy [batch, tokens, heads, head_size] in x's
     dtype; dfinal_states [batch, heads, head_size, state_size], dvarlen_states
     [num_sequences, ...] or None.
-    -> (dxs, dB, dC, ddt, dA, dinitial_states or None, y or None): dxs = dh_t b_t in dy's dtype
-    (input_grad makes dx of it), the rest in the accumulation dtype (fp32, or fp64 for fp64
-    inputs); y (the forward's) when ``want_y``."""
+    -> (dx, dB, dC, ddt, dA, dinitial_states or None, y or None): dx = dt_t dh_t b_t + skip * dy_t
+    in x's dtype (skip [heads, 1] or [heads, head_size], or None), the rest in the accumulation
+    dtype (fp32, or fp64 for fp64 inputs); y (the forward's) when ``want_y``."""
     batch, tokens, heads, _ = x.shape
     groups = B.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -145,11 +145,11 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
         rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, chunk_states=True,
                    outputs=per_sequence_init)
         dh_first, dh_starts = rev[1], rev[2]
-        dxs, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3])
+        dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip)
         if per_sequence_init:
             edges = sequence_edge_terms(x, B, C, dy, dt, log_decay, cu_seqlens, seq_idx, initial_states,
                                         rev_init.flip(0))
-            dxs = dxs.to(acc) + edges.dxs
+            dx = torch.addcmul(dx.to(acc), edges.dxs, dt[..., None]).to(x.dtype)
             ddt_input = ddt_input + (x.to(acc) * edges.dxs).sum(-1)
             dl, dB, dC = dl + edges.dl, dB + edges.db, dC + edges.dc
     else:
@@ -166,6 +166,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
         dC = group_sums(dc_heads, groups, acc)
         dB = group_sums(_unreverse(db_heads, pad), groups, acc)
         ddt_input = (x * dxs).sum(-1, dtype=acc)
+        dx = input_grad(dxs, dt, dy, skip, x.dtype)
         # The suffix sums of dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t) (+ the end states' terms).
         dg = (dy.to(acc) * y.to(acc)).sum(-1) - dt * ddt_input
         if dfinal_states is not None:
@@ -190,7 +191,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, *, initial_states=None, seq_idx=N
         dinit = dinit[:1]
     elif no_init:
         dinit = None
-    return dxs, dB, dC, ddt, dA, dinit, (y if want_y else None)
+    return dx, dB, dC, ddt, dA, dinit, (y if want_y else None)
 
 
 def input_grad(dxs, dt, dy, skip, dtype):
@@ -334,14 +335,13 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
         dD = (dy * xs).sum((0, 1))
         dD = (dD.sum(-1) if D.ndim == 1 else dD).to(D.dtype)
 
-    dxs, dB, dC, ddt, dA, dinit, y = scan_backward(
-        kernels, x, A, B, C, dt, dy.to(x.dtype), initial_states=initial_states, seq_idx=seq_idx,
+    dx, dB, dC, ddt, dA, dinit, y = scan_backward(
+        kernels, x, A, B, C, dt, dy.to(x.dtype), skip, initial_states=initial_states, seq_idx=seq_idx,
         cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None)
     dz = None
     if z is not None:
         pre_gate = y.to(acc) if skip is None else y.to(acc) + skip * xs
         dz = (dout * pre_gate * gate * (1 + z.to(acc) * (1 - gate))).to(z.dtype)
-    dx = input_grad(dxs, dt, dy, skip, x.dtype)
     ddt_raw = ddt * process_dt_slope(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
     ddt_bias = None if dt_bias is None else ddt_raw.sum((0, 1)).to(dt_bias.dtype)
     return (dx, ddt_raw.to(dt_raw.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,
@@ -353,9 +353,8 @@ def chunk_backward(kernels, x, a, b, c, d, dt, init_state, dout, dfinal_state):
     dx, db, dc in x's dtype, ddt in dt's, da, dd and dinit_state in fp32 (fp64 for fp64 inputs);
     dinit_state is zeros when init_state is None."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    dxs, db, dc, ddt, da, dinit, _ = scan_backward(kernels, x, a, b, c, dt, dout, initial_states=init_state,
-                                                   dfinal_states=dfinal_state)
-    dx = input_grad(dxs, dt.to(acc), dout, d.to(acc)[:, None], x.dtype)
+    dx, db, dc, ddt, da, dinit, _ = scan_backward(kernels, x, a, b, c, dt, dout, d.to(acc)[:, None],
+                                                  initial_states=init_state, dfinal_states=dfinal_state)
     dd = (dout * x).sum((0, 1, 3), dtype=acc)
     if dinit is None:
         batch, _, heads, head_size = x.shape

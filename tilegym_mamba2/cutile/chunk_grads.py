@@ -1,7 +1,7 @@
 """Every gradient of the scan that involves a state, one block per (batch, head, chunk), from
 the chunk's entry state S and the gradient dS of the state it leaves
-(scan_reference.chunk_grads_reference states the formulas): dxs = dh b (for dx and ddt), x . dxs
-in fp32, dc and db of this head, and the log decay's gradient dl.
+(scan_reference.chunk_grads_reference states the formulas): dx = dt * dh b + D * dy, x . (dh b)
+in fp32 (for ddt), dc and db of this head, and the log decay's gradient dl.
 
 Summing per-token terms of the forward and backward outputs over the rest of the sequence
 gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
@@ -19,13 +19,15 @@ dS = exp2(first reversed decay) * entry).
 import cuda.tile as ct
 import torch
 
+from .compute_out import NO_SKIP, SKIP_PER_CHANNEL, SKIP_PER_HEAD
 from .launch import launch, new_output
 
 
 @ct.kernel(occupancy=1)
 def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum,
-                       seq_idx, dxs, ddt_input, dl, db, dc, chunk_size: ct.Constant[int],
-                       head_size: ct.Constant[int], state_size: ct.Constant[int], has_seq: ct.Constant[bool]):
+                       seq_idx, d, dx, ddt_input, dl, db, dc, chunk_size: ct.Constant[int],
+                       head_size: ct.Constant[int], state_size: ct.Constant[int], has_seq: ct.Constant[bool],
+                       skip_mode: ct.Constant[int]):
     batch_head, chunk = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -94,8 +96,13 @@ def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entr
     sent = dt_tile * from_end * ct.sum(x_f32 * to_grad, axis=1)
     dl_tile = dl_tile + ct.cumsum(sent, axis=0) - sent
     dxs_tile = ct.mma(ct.transpose((decay * scores).astype(mma_dtype)), dy_tile, to_grad * from_end[:, None])
-    ct.store(dxs, (batch, chunk, head, 0), dxs_tile.astype(dxs.dtype).reshape((1, chunk_size, 1, head_size)))
     ct.store(ddt_input, (batch, chunk, head), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, chunk_size, 1)))
+    dx_tile = dxs_tile * dt_tile[:, None]
+    if skip_mode == SKIP_PER_HEAD:
+        dx_tile = dx_tile + ct.load(d, (head,), (1,)).reshape((1, 1)) * dy_tile.astype(ct.float32)
+    elif skip_mode == SKIP_PER_CHANNEL:
+        dx_tile = dx_tile + ct.load(d, (head, 0), (1, head_size)) * dy_tile.astype(ct.float32)
+    ct.store(dx, (batch, chunk, head, 0), dx_tile.astype(dx.dtype).reshape((1, chunk_size, 1, head_size)))
     db_tile = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
                      ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
     db_tile = ct.mma(ct.transpose(decayed_products.astype(mma_dtype)), c_tile, db_tile) * dt_tile[:, None]
@@ -106,24 +113,25 @@ def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entr
     ct.store(dl, (batch, chunk, head), dl_tile.reshape((1, chunk_size, 1)))
 
 
-def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq_idx,
+def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq_idx, d,
                 chunk_size):
     """x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
     dt_bht, decay_cumsum, rev_decay_cumsum [batch, heads, chunks * chunk_size];
     entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
-    seq_idx [batch, tokens] int32 or None
-    -> (dxs like dy, ddt_input and dl [batch, tokens, heads] fp32,
+    seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None
+    -> (dx like x, ddt_input = x . dh b and dl [batch, tokens, heads] fp32,
         db and dc per head [batch, tokens, heads, state_size]: fp32 when every head has its own
         B and C, else in x's dtype, to be summed over each group's heads)."""
     batch, tokens, heads, head_size = x.shape
     state_size = b.shape[3]
     padded = dt_bht.shape[2]
-    dxs = new_output(*dy.shape, dtype=dy.dtype, device=x.device)
+    dx = new_output(*x.shape, dtype=x.dtype, device=x.device)
     ddt_input, dl = new_output(2, batch, tokens, heads, dtype=torch.float32, device=x.device).unbind(0)
     per_head_dtype = torch.float32 if b.shape[2] == heads else x.dtype
     db, dc = new_output(2, batch, tokens, heads, state_size, dtype=per_head_dtype, device=x.device).unbind(0)
+    skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
     launch((batch * heads, padded // chunk_size), chunk_grads_kernel,
            (x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum,
-            dl if seq_idx is None else seq_idx, dxs, ddt_input, dl, db, dc, chunk_size, head_size, state_size,
-            seq_idx is not None))
-    return dxs, ddt_input, dl, db, dc
+            dl if seq_idx is None else seq_idx, dl if d is None else d, dx, ddt_input, dl, db, dc, chunk_size,
+            head_size, state_size, seq_idx is not None, skip_mode))
+    return dx, ddt_input, dl, db, dc

@@ -58,17 +58,20 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     return y, final_states, varlen
 
 
-def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states):
-    """From the forward scan's and the reversed scan's chunk states -> (dxs like dy, ddt_input
-    and dl [batch, tokens, heads] fp32, db and dc [batch, tokens, groups, state_size] fp32)."""
+def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip):
+    """From the forward scan's and the reversed scan's chunk states -> (dx = dt * dh b + skip * dy
+    like x, ddt_input = x . dh b and dl [batch, tokens, heads] fp32, db and dc [batch, tokens,
+    groups, state_size] fp32); skip [heads, 1] or [heads, head_size] or None."""
     entry_states, decay_cumsum, weight_bht = forward_states
     rev_entry_states, rev_decay_cumsum, _ = reverse_states
     groups = b.shape[2]
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
-    dxs, ddt_input, dl, db, dc = chunk_grads_kernel(
+    if skip is not None:
+        skip = (skip[:, 0] if skip.shape[1] == 1 else skip).to(torch.float32).contiguous()
+    dx, ddt_input, dl, db, dc = chunk_grads_kernel(
         x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(), weight_bht, decay_cumsum, entry_states,
-        rev_entry_states, rev_decay_cumsum, seq, 64)
-    return dxs, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups)
+        rev_entry_states, rev_decay_cumsum, seq, skip, 64)
+    return dx, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups)
 
 
 KERNELS = Kernels(scan, chunk_grads)
