@@ -31,6 +31,31 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+fused2)
+  # Ninth session, one GPU: every backward GPU test in three processes side by side (plain op;
+  # layer options; next to mamba_ssm), then alone on the GPU bench --backward and a profile.
+  limit=${LIMIT_S:-280}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_plain.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "chunk_backward or compile or 512" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_plain.log" 2>&1 &
+  one=$!
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_peer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "mamba_ssm" -p no:cacheprovider --tb=short -rfE > "$out/gpu_peer.log" 2>&1 &
+  two=$!
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "layer_autograd" -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1
+  wait "$one" "$two"
+  for log in "$out"/gpu_plain.log "$out"/gpu_peer.log "$out"/gpu_layer.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -12
+  done
+  cat "$out/grad_errors_peer.log"
+  timeout "${BENCH_S:-130}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  grep -E "fwd\+bwd|^\|" "$out/backward.log"
+  timeout "${PROFILE_S:-50}" python3 benchmarks/variants/backward_profile.py 2,8192,1,80,128,64 \
+    > "$out/backward_profile.log" 2>&1
+  grep -E "kernel|aten::" "$out/backward_profile.log" | head -16 | cut -c1-60,120-150
+  ;;
 fused)
   # Ninth session, one GPU: the backward on chunk_grads (experiment 38). Two backward test
   # processes side by side (plain-op cases; layer cases with the mamba_ssm comparison), then

@@ -13,7 +13,7 @@ import torch
 from ..backward import Kernels, group_sums
 from ..reference import LOG2E
 from .chunk_grads import chunk_grads as chunk_grads_kernel
-from .fwd_pass_state import fwd_pass_state
+from .chunk_states import chunk_states as chunk_states_kernel
 from .scan_combined import scan_stages
 from .tuning import choose_config
 
@@ -48,8 +48,7 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     if not outputs:
         # Chunk states only: per-sequence initial states stay out of them, as in scan_stages.
         row_init = None if init is not None and cu is not None and init.shape[0] != batch else init
-        entry_states, final_states = fwd_pass_state(x, b, weight_bht, decay_cumsum, row_init, chunk, config,
-                                                    seq_idx=seq)
+        entry_states, final_states = chunk_states_kernel(x, b, weight_bht, decay_cumsum, row_init, chunk, seq_idx=seq)
         return None, final_states, None, (entry_states, decay_cumsum, weight_bht)
     y, final_states, varlen, entry_states = scan_stages(x, b, c, None, None, weight_bht, decay_cumsum, init, seq, cu,
                                                         config, with_varlen_states=cu is not None)
