@@ -31,6 +31,29 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+fused3)
+  # Ninth session's last call, one GPU, ~5 minutes: three backward test processes side by side
+  # (plain op; the layer options that exercise chunk_grads' skip modes and seq_idx; compile and
+  # state 512), then bench --backward against mamba_ssm alone on the GPU.
+  limit=${LIMIT_S:-160}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_plain.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "chunk_backward" -p no:cacheprovider --tb=short -rfE > "$out/gpu_plain.log" 2>&1 &
+  one=$!
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/test_backward_gpu.py -k "compile or 512" \
+    -p no:cacheprovider --tb=short -rfE > "$out/gpu_compile.log" 2>&1 &
+  two=$!
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "layer_autograd and dtype0 and (mixer or channel or seq_idx)" \
+    -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1
+  wait "$one" "$two"
+  for log in "$out"/gpu_plain.log "$out"/gpu_compile.log "$out"/gpu_layer.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -8
+  done
+  cat "$out"/grad_errors_*.log | cut -c1-200
+  timeout "${BENCH_S:-125}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  grep -E "fwd\+bwd|^\|" "$out/backward.log"
+  ;;
 fused2)
   # Ninth session, one GPU: every backward GPU test in three processes side by side (plain op;
   # layer options; next to mamba_ssm), then alone on the GPU bench --backward and a profile.

@@ -96,7 +96,7 @@ def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entr
     sent = dt_tile * from_end * ct.sum(x_f32 * to_grad, axis=1)
     dl_tile = dl_tile + ct.cumsum(sent, axis=0) - sent
     dxs_tile = ct.mma(ct.transpose((decay * scores).astype(mma_dtype)), dy_tile, to_grad * from_end[:, None])
-    ct.store(ddt_input, (batch, chunk, head), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, chunk_size, 1)))
+    ct.store(ddt_input, (batch, head, chunk), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, 1, chunk_size)))
     dx_tile = dxs_tile * dt_tile[:, None]
     if skip_mode == SKIP_PER_HEAD:
         dx_tile = dx_tile + ct.load(d, (head,), (1,)).reshape((1, 1)) * dy_tile.astype(ct.float32)
@@ -110,7 +110,7 @@ def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entr
 
     through = ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)
     dl_tile = dl_tile + ct.where(carried & going_on, through, 0.0)
-    ct.store(dl, (batch, chunk, head), dl_tile.reshape((1, chunk_size, 1)))
+    ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
 
 
 def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq_idx, d,
@@ -119,14 +119,15 @@ def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_state
     dt_bht, decay_cumsum, rev_decay_cumsum [batch, heads, chunks * chunk_size];
     entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
     seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None
-    -> (dx like x, ddt_input = x . dh b and dl [batch, tokens, heads] fp32,
+    -> (dx like x, ddt_input = x . dh b and dl [batch, heads, chunks * chunk_size] fp32 (stored along
+        the tokens: one [batch, tokens, heads] store per token would be strided),
         db and dc per head [batch, tokens, heads, state_size]: fp32 when every head has its own
         B and C, else in x's dtype, to be summed over each group's heads)."""
     batch, tokens, heads, head_size = x.shape
     state_size = b.shape[3]
     padded = dt_bht.shape[2]
     dx = new_output(*x.shape, dtype=x.dtype, device=x.device)
-    ddt_input, dl = new_output(2, batch, tokens, heads, dtype=torch.float32, device=x.device).unbind(0)
+    ddt_input, dl = new_output(2, batch, heads, padded, dtype=torch.float32, device=x.device).unbind(0)
     per_head_dtype = torch.float32 if b.shape[2] == heads else x.dtype
     db, dc = new_output(2, batch, tokens, heads, state_size, dtype=per_head_dtype, device=x.device).unbind(0)
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL

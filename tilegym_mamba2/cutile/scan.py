@@ -13,8 +13,7 @@ import torch
 from ..backward import Kernels, group_sums
 from ..reference import LOG2E
 from .chunk_grads import chunk_grads as chunk_grads_kernel
-from .chunk_states import chunk_states as chunk_states_kernel
-from .compute_out import compute_out
+from .fwd_pass_state import fwd_pass_state
 from .scan_combined import scan_stages
 from .tuning import choose_config
 
@@ -24,9 +23,8 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     """x [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size] in x's dtype;
     weight, log_decay [batch, tokens, heads] fp32 -> (y in x's dtype, final_states fp32,
     varlen_states fp32 with cu_seqlens else None), see scan_reference.scan_reference.
-    ``chunk_states``: a fourth value (entry states, one per chunk, and the decay sums) for
-    chunk_grads, from chunk_states.py's walk (or the state pass at one chunk per segment where
-    packed sequences need their varlen states); without ``outputs`` y is None."""
+    ``chunk_states``: one segment per chunk, and a fourth value (entry states, one per chunk, and
+    the decay sums) for chunk_grads; without ``outputs`` only the state pass runs (y is None)."""
     batch, tokens, heads, head_size = x.shape
     groups, state_size = b.shape[2], b.shape[3]
     config = choose_config(batch, tokens, groups, heads, head_size, state_size, 64, x.device)
@@ -47,15 +45,12 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
         init = init.to(torch.float32).contiguous()
     # A group's B or C shared by every head arrives as a stride-0 view: read it, don't copy it.
     x, b, c = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, b, c))
-    if chunk_states and (cu is None or not outputs):
-        # Per-sequence initial states stay out of the chunk states, as in scan_stages.
+    if not outputs:
+        # Chunk states only: per-sequence initial states stay out of them, as in scan_stages.
         row_init = None if init is not None and cu is not None and init.shape[0] != batch else init
-        entry_states, final_states = chunk_states_kernel(x, b, weight_bht, decay_cumsum, row_init, chunk, seq_idx=seq)
-        y = None
-        if outputs:  # from those states, one chunk per segment
-            y = compute_out(x, b, c, None, weight_bht, decay_cumsum, entry_states, final_states, chunk, config,
-                            seq_idx=seq)
-        return y, final_states, None, (entry_states, decay_cumsum, weight_bht)
+        entry_states, final_states = fwd_pass_state(x, b, weight_bht, decay_cumsum, row_init, chunk, config,
+                                                    seq_idx=seq)
+        return None, final_states, None, (entry_states, decay_cumsum, weight_bht)
     y, final_states, varlen, entry_states = scan_stages(x, b, c, None, None, weight_bht, decay_cumsum, init, seq, cu,
                                                         config, with_varlen_states=cu is not None)
     if chunk_states:
@@ -76,6 +71,8 @@ def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip):
     dx, ddt_input, dl, db, dc = chunk_grads_kernel(
         x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(), weight_bht, decay_cumsum, entry_states,
         rev_entry_states, rev_decay_cumsum, seq, skip, 64)
+    tokens = x.shape[1]
+    ddt_input, dl = (t[:, :, :tokens].transpose(1, 2).contiguous() for t in (ddt_input, dl))
     return dx, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups)
 
 
