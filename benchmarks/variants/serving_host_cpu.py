@@ -18,9 +18,9 @@ Per row: min over 9 rounds of the mean of 2000 calls, in microseconds of this th
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
+from host_cpu import per_call_us  # the same timing as the forward's CPU proxy, from this folder
 
 from tilegym_mamba2 import bench_serving, serving_validation
 from tilegym_mamba2.bench_serving import ServingCase
@@ -33,20 +33,6 @@ torch.cuda.is_current_stream_capturing = lambda: False
 serving_validation.check_cutile_device = lambda device: None
 
 BATCHES = (1, 64)
-
-
-def per_call_us(fn, n=2000, rounds=9):
-    with launch.recording_launches() as recorded:
-        for _ in range(50):
-            fn()
-        best = float("inf")
-        for _ in range(rounds):
-            recorded.clear()
-            start = time.thread_time_ns()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.thread_time_ns() - start) / n / 1e3)
-    return best
 
 
 def pieces(batch):
