@@ -170,7 +170,35 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
+def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
+                                     initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
+                                     return_final_states=False, activation="silu", rmsnorm_weight=None,
+                                     rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
+                                     ngroups=1, norm_before_gate=True, *, backend=None):
+    """Drop-in for mamba_ssm's ``mamba_split_conv1d_scan_combined``: a Mamba-2 mixer's training
+    forward from its input projection's output (z, xBC, dt side by side) through the causal
+    convolution, the scan, the gated RMSNorm (groups of dim / ngroups) and the output projection,
+    differentiable (split_conv1d_scan.py says how it is composed; the scan is ours).
+
+    Args (mamba_ssm's names): zxbcdt [batch, seqlen, 2 * dim + 2 * ngroups * dstate + nheads] (plus
+    2 * d_nonssm MLP channels in front); conv1d_weight [dim + 2 * ngroups * dstate, width];
+    conv1d_bias; dt_bias, A [nheads]; D [nheads] (with headdim) or [nheads, headdim]; chunk_size;
+    initial_states [batch, nheads, headdim, dstate]; seq_idx [batch, seqlen]; dt_limit;
+    return_final_states; activation None/"silu"/"swish"; rmsnorm_weight [dim] or None;
+    rmsnorm_eps; outproj_weight [out_dim, dim + d_nonssm], outproj_bias; ngroups;
+    norm_before_gate. backend: None (cuTile for CUDA tensors, "pytorch" for others) or a name.
+
+    Returns out [batch, seqlen, out_dim], then final_states fp32 if asked.
+    """
+    op = "mamba2_split_conv1d_scan_combined"
+    return implementation(op, _serving_backend(op, backend, zxbcdt))(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
+        return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups,
+        norm_before_gate)
+
+
 install()
 
 __all__ = ["Mamba2ProblemSpec", "mamba2_chunk_backward", "mamba2_chunk_forward", "mamba_chunk_scan_combined",
-           "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update", "__version__"]
+           "mamba_split_conv1d_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update",
+           "__version__"]
