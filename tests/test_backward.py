@@ -2,16 +2,14 @@
 of the token recurrence, the "pytorch" backend of mamba2_chunk_backward, autograd and
 torch.compile through both ops, argument checks, and ahead-of-time compilation of the
 backward's kernels."""
-import functools
 
 import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.backward import Kernels, input_grad, layer_backward
+from tilegym_mamba2.backward import layer_backward, pytorch_kernels
 from tilegym_mamba2.layer_reference import layer_token_recurrence
 from tilegym_mamba2.reference import token_recurrence
-from tilegym_mamba2.scan_reference import scan_reference
 from tilegym_mamba2.validation import ScanCombinedArgs
 
 F64 = torch.float64
@@ -92,11 +90,13 @@ def check_layer_backward(name, kernels, chunk_size, seed):
         assert grads["initial_states"] is None
 
 
+@pytest.mark.parametrize("chunk", [8, 16])
 @pytest.mark.parametrize("name", list(DECOMPOSITION_CASES))
-def test_decomposition_matches_float64_autograd(name):
-    """backward.py over the PyTorch scan in float64 (the suffix-sum decay gradient) is exact for
-    every layer option."""
-    check_layer_backward(name, Kernels(functools.partial(scan_reference, dtype=F64, chunk_size=8)), 8, 1234)
+def test_decomposition_matches_float64_autograd(name, chunk):
+    """backward.py on the pytorch backend's kernels in float64 (chunk states, reversed scans padded
+    to whole chunks, chunk_grads_reference, per-sequence edge terms; the path the cutile backend
+    takes on its kernels): every gradient equals float64 autograd through the token recurrence."""
+    check_layer_backward(name, pytorch_kernels(F64, chunk_size=chunk), chunk, 1234 + chunk)
 
 
 @pytest.mark.parametrize("seq", [None, [[0] * 10 + [1] * 20 + [2] * 15], [[0] * 8 + [1] * 1 + [2] * 20 + [3] * 16]])
@@ -416,39 +416,19 @@ def _chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L):
     return torch.stack(entries)
 
 
-def _exact_kernels_on_cpu(L):
-    """backward.Kernels with the chunk-local gradients, in PyTorch: the contract the cutile scan
-    and chunk_grads keep (chunk states of the forward and of the reversed scan, the reversed
-    scan's first decay of each chunk), so the exact path's orchestration runs on a CPU."""
-    from tilegym_mamba2.scan_reference import chunk_grads_reference
-
-    def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, chunk_states=False,
-             outputs=True):
-        y, final, varlen = scan_reference(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens, chunk_size=L,
-                                          dtype=F64)
-        if not chunk_states:
-            return y, final, varlen
-        states = (_chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L), weight, log_decay)
-        return (y if outputs else None), final, varlen, states
-
-    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip):
-        entry, weight, log_decay = forward_states
-        rev_entry, _, rev_decay = reverse_states
-        chunks = entry.shape[1]
-        # chunk k ends where reversed chunk K-1-k starts: dS = exp(its first decay) * its entry state
-        first = rev_decay[:, ::L][:, :chunks].to(F64)                                # [batch, chunks, heads]
-        ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
-        dxs, *rest = chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx, chunk_size=L)
-        return input_grad(dxs, weight.to(F64), dy, skip, x.dtype), *rest
-
-    return Kernels(scan, chunk_grads)
-
-
-@pytest.mark.parametrize("name", list(DECOMPOSITION_CASES))
-def test_exact_decay_path_matches_float64_autograd(name, monkeypatch):
-    """The path the cutile backend takes (chunk states, reversed scans padded to whole chunks,
-    chunk_grads, per-sequence edge terms) with PyTorch standing in for the kernels, on 16-token
-    chunks: every gradient equals float64 autograd through the token recurrence."""
-    import tilegym_mamba2.backward as backward
-    monkeypatch.setattr(backward, "REVERSE_ALIGN", 16)
-    check_layer_backward(name, _exact_kernels_on_cpu(16), 16, 99)
+@pytest.mark.parametrize("seq", [None, [[0] * 10 + [1] * 20 + [2] * 15, [1] * 5 + [2] * 40],
+                                 [[0] * 8 + [1] * 1 + [2] * 20 + [3] * 16, [0] * 45]])
+def test_chunk_entry_states_are_the_token_states(seq):
+    """scan_reference.chunk_entry_states (the pytorch backend's chunk states, chunk by chunk)
+    equals the token-by-token state before each chunk, sequences inside chunks included."""
+    from tilegym_mamba2.scan_reference import chunk_entry_states
+    g = torch.Generator().manual_seed(3)
+    batch, tokens = 2, 45
+    x, b = torch.randn(batch, tokens, 4, 3, generator=g, dtype=F64), torch.randn(batch, tokens, 2, 5, generator=g,
+                                                                                 dtype=F64)
+    w = torch.rand(batch, tokens, 4, generator=g, dtype=F64)
+    l = -torch.rand(batch, tokens, 4, generator=g, dtype=F64)
+    init = torch.randn(batch, 4, 3, 5, generator=g, dtype=F64)
+    seq_idx = None if seq is None else torch.tensor(seq)
+    got = chunk_entry_states(x, b, w, l, init, seq_idx, 8, F64)
+    assert torch.allclose(got, _chunk_entry_states(x, b, w, l, init, seq_idx, None, 8), rtol=1e-12, atol=1e-12)

@@ -361,6 +361,40 @@ def test_training_and_autograd_keep_transformers_forward(calls):
     assert calls.counts["mamba_chunk_scan_combined"] == 2
 
 
+def test_training_runs_on_our_combined_call(monkeypatch):
+    """A training-mode Mamba2 with one group runs each mixer through our differentiable
+    mamba_split_conv1d_scan_combined: the loss and every parameter's gradient are transformers'
+    torch path's; with a cache or with several groups the mixer keeps its own forward."""
+    combined = []
+    real = tilegym_mamba2.mamba_split_conv1d_scan_combined
+
+    def spy(*args, **kwargs):
+        combined.append(kwargs.get("backend"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tilegym_mamba2, "mamba_split_conv1d_scan_combined", spy)
+    ids = prompt()
+    model = tiny_mamba2(n_groups=1).train()
+    reference = copy.deepcopy(model)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    reference_loss = reference(ids, labels=ids).loss
+    reference_loss.backward()
+    assert combined == [None] * model.config.num_hidden_layers
+    assert torch.allclose(loss, reference_loss, rtol=1e-5, atol=1e-6)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters()):
+        assert ours.grad is not None and theirs.grad is not None, name
+        err = ((ours.grad - theirs.grad).norm() / theirs.grad.norm().clamp_min(1e-30)).item()
+        assert err < 1e-4, f"{name}: {err:.2e}"
+
+    combined.clear()
+    grouped = tiny_mamba2(n_groups=2).train()
+    apply_tilegym_kernel_to_mamba2(model=grouped)
+    grouped(ids, labels=ids).loss.backward()
+    assert combined == []
+
+
 def test_model_without_a_mixer_is_refused():
     with pytest.raises(ValueError, match="model: Linear has no Mamba-2 mixer"):
         apply_tilegym_kernel_to_mamba2(model=torch.nn.Linear(2, 2))
@@ -448,6 +482,51 @@ def test_hybrid_models_match_their_torch_path(model_type, calls):
     calls.counts.update({name: 0 for name in OURS})
     assert torch.equal(greedy(model, ids), ref_tokens)
     assert calls.counts == expected_calls(layers=2)
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_hybrid_models_train_on_our_scan(model_type, monkeypatch):
+    """The hybrids' mixers with one group, in training mode: every mixer runs our scan (in the
+    combined call, or in the prefill pieces where a mixer skips that call, as nemotron_h and
+    zamba2 do when they are given a cache); the loss is transformers' torch path's, and every
+    gradient is that of the patched model in float64 (our pytorch backend, exact in float64)."""
+    scans = []
+    real = tilegym_mamba2.mamba_chunk_scan_combined
+    monkeypatch.setattr(tilegym_mamba2, "mamba_chunk_scan_combined", lambda *a, **k: scans.append(1) or real(*a, **k))
+    config = HYBRIDS[model_type]()
+    for name in ("mamba_n_groups", "mamba_ngroups", "n_groups"):
+        if hasattr(config, name):
+            setattr(config, name, 1)
+    torch.manual_seed(11)
+    reference = transformers.AutoModelForCausalLM.from_config(config).train()
+    for module in reference.modules():
+        # nemotron_h's and zamba2's torch paths clamp dt at time_step_min, their kernel paths (and
+        # ours) at dt_limit: 0 makes the clamp a no-op, so that both compute the same function.
+        if hasattr(module, "time_step_min"):
+            module.time_step_min = 0.0
+    model = copy.deepcopy(reference)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    # Not transformers' torch path in float64: nemotron_h's and zamba2's run their scan in fp32.
+    exact = copy.deepcopy(model).double()
+    ids = prompt(seed=12)
+    losses = [m(ids, labels=ids).loss for m in (model, reference, exact)]
+    for loss in losses:
+        loss.backward()
+    assert len(scans) == 4  # two mixers, in fp32 and in float64
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    # And transformers' own gradients, but for the decay's (dt_bias, A_log: ~1e-8 in this model)
+    # where the torch path runs its scan in fp32.
+    fp32_scan = model_type in ("nemotron_h", "zamba2")
+    for (name, ours), (_, theirs), (_, want) in zip(model.named_parameters(), reference.named_parameters(),
+                                                    exact.named_parameters()):
+        assert (ours.grad is None) == (theirs.grad is None) == (want.grad is None), name
+        if want.grad is None:
+            continue
+        err = ((ours.grad.double() - want.grad).norm() / want.grad.norm().clamp_min(1e-30)).item()
+        assert err < 1e-4, f"{name}: {err:.2e}"
+        if not (fp32_scan and name.endswith(("dt_bias", "A_log"))):
+            err = ((ours.grad - theirs.grad).norm() / theirs.grad.norm().clamp_min(1e-30)).item()
+            assert err < 1e-3, f"{name} against transformers': {err:.2e}"
 
 
 @only_5_3
@@ -596,3 +675,25 @@ def test_gpu_decode_step_in_a_cuda_graph(monkeypatch):
         torch.testing.assert_close(static_logits, eager[k], rtol=1e-3, atol=1e-3 * eager[k].abs().max().item())
         token = static_logits[:, -1].argmax(-1, keepdim=True)
         assert torch.equal(token, eager[k][:, -1].argmax(-1, keepdim=True))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_training_step(monkeypatch):
+    """A training step of a bf16 Mamba2 on CUDA through our combined call (the scan on cuTile):
+    the loss and every gradient within bf16 error of the same model in fp32 on transformers' torch
+    path, and no further from it than transformers' own bf16 torch path, give or take."""
+    combined = []
+    real = tilegym_mamba2.mamba_split_conv1d_scan_combined
+    monkeypatch.setattr(tilegym_mamba2, "mamba_split_conv1d_scan_combined",
+                        lambda *a, **k: combined.append(1) or real(*a, **k))
+    ref_model, model, fp32_model = gpu_pair(seed=15, monkeypatch=monkeypatch)
+    ids = prompt(batch=2, tokens=300, device="cuda", seed=16)
+    for m in (ref_model, model, fp32_model):
+        m.train()
+        m(ids, labels=ids).loss.backward()
+    assert len(combined) == 2
+    for (name, ours), (_, theirs), (_, exact) in zip(model.named_parameters(), ref_model.named_parameters(),
+                                                     fp32_model.named_parameters()):
+        err_ours = ((ours.grad.float() - exact.grad).norm() / exact.grad.norm()).item()
+        err_theirs = ((theirs.grad.float() - exact.grad).norm() / exact.grad.norm()).item()
+        assert err_ours <= 2 * err_theirs + 2e-2, f"{name}: ours {err_ours:.2e}, transformers' bf16 {err_theirs:.2e}"

@@ -6,33 +6,28 @@ With dh_t the gradient reaching h_t (dh after the last token is dfinal_state):
     dh_t = exp(l_{t+1}) dh_{t+1} + dy_t c_t^T          the same scan, backwards in time
     dx_t = dt_t dh_t b_t            dc_t = h_t^T dy_t            db_t = dt_t dh_t^T x_t
 
-Where the backend has chunk-local kernels (Kernels.chunk_grads, the cutile backend), two scans
-and one kernel give everything that involves a state:
+Two scans and one chunk-local step give everything that involves a state:
     1. the forward again                                  -> its chunk entry states (y too, for dz)
     2. backwards: x <- dy, b <- c, weight 1               -> the chunk states of dh
     3. chunk_grads: per chunk, from the state S entering it and the gradient dS of the state
-       leaving it, dxs_t = dh_t b_t, x_t . dxs_t, dc, db and the decay gradient
+       leaving it, dx (dt_t dh_t b_t + skip dy_t), x_t . dh_t b_t, dc, db and the decay gradient
        dl_u = <dh_u, exp(l_u) h_{u-1}> as sums of products within the chunk
        (scan_reference.chunk_grads_reference states them; sequence_edge_terms adds what
        sequences that start or end inside a chunk with their own state or state gradient add).
 "Backwards" is the scan on token-reversed inputs (padded at the front to whole chunks) with
 log decay l'_s = l_{T-s} (the decay between a token and the one after it) and 0 where a
 sequence ends, so the gradient of a state enters undecayed and nothing crosses a sequence
-boundary.
+boundary. The cutile backend runs the forward's state pass and cutile/chunk_grads.py; the
+pytorch backend scan_reference and chunk_grads_reference.
 
-Elsewhere (the PyTorch scan) four scans give them: 1 and 2 with outputs (dh_t b_t from 2), then
-    3. forwards, transposed state: x <- b, b <- x, c <- dy -> dc (per head)
-    4. backwards, transposed: x <- c, b <- dy, c <- dt x  -> dt_t dh_t^T x_t = db (per head)
-and dl is the suffix sum over the rest of the sequence of
-    dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t)   (+ dfinal . h_T at a sequence's last token),
-the same value in exact arithmetic (every term of y_t carries exp(g_t), every term sent from t
-carries exp(-g_t)), but one whose terms cancel: fine in fp32/fp64 on a CPU, 4-20% off with bf16
-outputs (benchmarks/NOTES.md, experiment 34). Then
+Summing per-token terms over the rest of the sequence gives dl too, the same value in exact
+arithmetic, but one whose terms cancel: 4-20% off with bf16 outputs on the H200, and off in fp32
+where dl is small (benchmarks/NOTES.md, experiments 34 and 40). Then
     ddt_t = x_t . (dh_t b_t) + a dl_t,    da = sum dt_t dl_t,    dinit = exp(l_first) dh_first.
 
-A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens) and returns
-(y, final_states, varlen_states or None); init is [batch, ...] or, with cu_seqlens,
-[num_sequences, ...].
+A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens, chunk_states=True,
+outputs=...) and returns (y or None, final_states, varlen_states or None, chunk states); init is
+[batch, ...] or, with cu_seqlens, [num_sequences, ...].
 """
 import contextlib
 import functools
@@ -41,7 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .layer_reference import process_dt, process_dt_slope
-from .scan_reference import scan_reference
+from .scan_reference import chunk_grads_reference, scan_reference
 from .validation import check_backward_args, check_scan_combined_args, seq_idx_from_cu_seqlens
 
 
@@ -69,18 +64,37 @@ def scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, 
 
 
 def kernels_for(backend, dtype) -> "Kernels":
-    """What backward.py runs on: our kernels, or the PyTorch scan in fp32 (fp64 for fp64)."""
+    """What backward.py runs on: our kernels, or the PyTorch scan and chunk_grads_reference in
+    fp32 (fp64 for fp64 inputs)."""
     if backend == "cutile":
         from .cutile.scan import KERNELS
         return KERNELS
-    return Kernels(functools.partial(scan_reference, dtype=torch.promote_types(dtype, torch.float32)))
+    return pytorch_kernels(torch.promote_types(dtype, torch.float32))
 
 
 class Kernels(NamedTuple):
-    """What backward.py runs on: a scan, and (where the backend has it) the chunk-local
-    gradients, which need the scans' chunk entry states (``chunk_states=True``)."""
+    """What backward.py runs on: a scan that also gives its chunk entry states
+    (``chunk_states=True``), and chunk_grads, which makes the gradients from those of the forward
+    and the reversed scan; chunk_size: the chunks of both."""
     scan: Callable
-    chunk_grads: Callable | None = None
+    chunk_grads: Callable
+    chunk_size: int = 64
+
+
+def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
+    """The pytorch backend's: scan_reference and chunk_grads_reference in ``dtype``."""
+    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip):
+        entry, weight, log_decay = forward_states
+        rev_entry, _, rev_decay = reverse_states
+        chunks = entry.shape[1]
+        # Chunk k ends where reversed chunk K-1-k starts: dS = exp(its first decay) * its entry state.
+        first = rev_decay[:, ::chunk_size][:, :chunks].to(dtype)                     # [batch, chunks, heads]
+        ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
+        dxs, *rest = chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx,
+                                           chunk_size=chunk_size)
+        return input_grad(dxs, weight.to(dtype), dy, skip, x.dtype), *rest
+
+    return Kernels(functools.partial(scan_reference, dtype=dtype, chunk_size=chunk_size), chunk_grads, chunk_size)
 
 
 def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -94,16 +108,14 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     in x's dtype (skip [heads, 1] or [heads, head_size], or None), the rest in the accumulation
     dtype (fp32, or fp64 for fp64 inputs); y (the forward's) when ``want_y``."""
     batch, tokens, heads, _ = x.shape
-    groups = B.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)
     scan = kernels.scan
     dt = dt.to(acc)
     log_decay = A.to(acc) * dt
     per_sequence_init = (initial_states is not None and cu_seqlens is not None
                          and initial_states.shape[0] != batch)
-    exact = kernels.chunk_grads is not None
     row_init_as_sequences = no_init = False
-    if exact and cu_seqlens is not None and cu_seqlens.numel() - 1 != batch and (
+    if cu_seqlens is not None and cu_seqlens.numel() - 1 != batch and (
             per_sequence_init or dvarlen_states is not None):
         # Initial states and state gradients at sequence edges inside chunks: both scans take
         # them per sequence, chunk_grads' results get their terms (sequence_edge_terms).
@@ -116,15 +128,12 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
             per_sequence_init = True
         if dvarlen_states is None:
             dvarlen_states = x.new_zeros(sequences, *state, dtype=acc)
-    if exact:
-        y, final_states, varlen_states, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens,
-                                                      chunk_states=True, outputs=want_y)
-    else:
-        y, final_states, varlen_states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens)
+    y, _, _, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens, chunk_states=True,
+                           outputs=want_y)
 
     # Backwards in time on token-reversed inputs, padded at the front to whole chunks so that
     # reversed chunks are the forward's chunks (padding: no input, no decay, no sequence change).
-    pad = -tokens % REVERSE_ALIGN
+    pad = -tokens % kernels.chunk_size
     seq_rev = None if seq_idx is None else _reverse(seq_idx[:, -1:] - seq_idx, pad)
     cu_rev = None
     if cu_seqlens is not None:
@@ -139,41 +148,18 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     rev_init = _reverse_init(dfinal_states, dvarlen_states)
     dy_rev, b_rev, c_rev = _reverse(dy, pad), _reverse(B, pad), _reverse(C, pad)
 
-    if exact:
-        # 2, states only: chunk_grads makes every gradient from the two scans' chunk states. The
-        # outputs' varlen states are dh at each sequence's first token (for per-sequence dinit).
-        rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, chunk_states=True,
-                   outputs=per_sequence_init)
-        dh_first, dh_starts = rev[1], rev[2]
-        dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip)
-        if per_sequence_init:
-            edges = sequence_edge_terms(x, B, C, dy, dt, log_decay, cu_seqlens, seq_idx, initial_states,
-                                        rev_init.flip(0))
-            dx = torch.addcmul(dx.to(acc), edges.dxs, dt[..., None]).to(x.dtype)
-            ddt_input = ddt_input + (x.to(acc) * edges.dxs).sum(-1)
-            dl, dB, dC = dl + edges.dl, dB + edges.db, dC + edges.dc
-    else:
-        # 2: dh_t b_t, and dh at each sequence's first token.
-        dxs, dh_first, dh_starts = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev)
-        dxs = _unreverse(dxs, pad)
-        # 3 and 4 carry the transposed state: [state_size, head_size]. dt_t folds into x_t for db.
-        init_t = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
-        dc_heads = scan(_per_head(B, heads), x, dy, dt, log_decay, init_t, seq_idx, cu_seqlens)[0]
-        rev_init_t = None if rev_init is None else rev_init.transpose(-1, -2).contiguous()
-        x_dt_rev = _reverse(x, pad)
-        torch.mul(x_dt_rev, _reverse(dt, pad)[..., None], out=x_dt_rev)  # x * dt, rounded once
-        db_heads = scan(_per_head(c_rev, heads), dy_rev, x_dt_rev, ones, rev_decay, rev_init_t, seq_rev, cu_rev)[0]
-        dC = group_sums(dc_heads, groups, acc)
-        dB = group_sums(_unreverse(db_heads, pad), groups, acc)
-        ddt_input = (x * dxs).sum(-1, dtype=acc)
-        dx = input_grad(dxs, dt, dy, skip, x.dtype)
-        # The suffix sums of dg_t = dy_t . y_t - dt_t x_t . (dh_t b_t) (+ the end states' terms).
-        dg = (dy.to(acc) * y.to(acc)).sum(-1) - dt * ddt_input
-        if dfinal_states is not None:
-            dg[:, -1] += (dfinal_states.to(acc) * final_states.to(acc)).sum((-1, -2))
-        if dvarlen_states is not None:
-            dg[0, cu_seqlens[1:].long() - 1] += (dvarlen_states.to(acc) * varlen_states.to(acc)).sum((-1, -2))
-        dl = _sequence_suffix_sums(dg, seq_idx)
+    # 2, states only: chunk_grads makes every gradient from the two scans' chunk states. The
+    # outputs' varlen states are dh at each sequence's first token (for per-sequence dinit).
+    rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, chunk_states=True,
+               outputs=per_sequence_init)
+    dh_first, dh_starts = rev[1], rev[2]
+    dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip)
+    if per_sequence_init:
+        edges = sequence_edge_terms(x, B, C, dy, dt, log_decay, cu_seqlens, seq_idx, initial_states,
+                                    rev_init.flip(0))
+        dx = torch.addcmul(dx.to(acc), edges.dxs, dt[..., None]).to(x.dtype)
+        ddt_input = ddt_input + (x.to(acc) * edges.dxs).sum(-1)
+        dl, dB, dC = dl + edges.dl, dB + edges.db, dC + edges.dc
     ddt = ddt_input + A.to(acc) * dl
     dA = (dt * dl).sum((0, 1))
 
@@ -253,9 +239,6 @@ def sequence_edge_terms(x, B, C, dy, weight, log_decay, cu_seqlens, seq_idx, sta
                      group_sums(dc[None], groups, acc))
 
 
-REVERSE_ALIGN = 64  # the kernels' chunk length (cutile/tuning.py KERNEL_CHUNK)
-
-
 def _reverse(t, pad):
     """[batch, tokens, ...] -> token-reversed, with ``pad`` zero tokens in front."""
     if not pad:
@@ -263,10 +246,6 @@ def _reverse(t, pad):
     out = t.new_zeros(t.shape[0], t.shape[1] + pad, *t.shape[2:])
     out[:, pad:] = t.flip(1)
     return out
-
-
-def _unreverse(t, pad):
-    return t[:, pad:].flip(1)
 
 
 def _reverse_init(dfinal_states, dvarlen_states):

@@ -17,15 +17,28 @@ import math
 import torch
 
 from .layer_reference import _sequences
+from .validation import seq_idx_from_cu_seqlens
 from .reference import chunk_output_reference, chunk_states_reference, decay_cumsum_reference
 
 
 def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, chunk_size=64,
-                   dtype=torch.float32):
+                   dtype=torch.float32, chunk_states=False, outputs=True):
     """x [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
     weight, log_decay [batch, tokens, heads] (natural log) -> (y [batch, tokens, heads, head_size],
     final_states [batch, heads, head_size, state_size], varlen_states [num_sequences, ...] with
-    cu_seqlens else None), all in ``dtype``. Each sequence is scanned on its own."""
+    cu_seqlens else None), all in ``dtype``. Each sequence is scanned on its own.
+    ``chunk_states``: a fourth value, (chunk_entry_states(...), weight, log_decay), as the cutile
+    scan gives chunk_grads; without ``outputs`` y is None."""
+    if chunk_states:
+        batch = x.shape[0]
+        if cu_seqlens is not None and seq_idx is None:
+            seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
+        # Per-sequence initial states stay out of the chunk states, as in the kernels.
+        row_init = None if init is not None and cu_seqlens is not None and init.shape[0] != batch else init
+        states = chunk_entry_states(x, b, weight, log_decay, row_init, seq_idx, chunk_size, dtype)
+        y, final_states, varlen = scan_reference(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens,
+                                                 chunk_size=chunk_size, dtype=dtype)
+        return (y if outputs else None), final_states, varlen, (states, weight, log_decay)
     batch, tokens, heads, head_size = x.shape
     ones = torch.ones(heads, dtype=dtype, device=x.device)
     no_skip = torch.zeros(heads, dtype=dtype, device=x.device)
@@ -42,6 +55,46 @@ def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqle
         ends.append(h[0])
         final_states[row] = h[0]
     return y, final_states, (torch.stack(ends) if cu_seqlens is not None else None)
+
+
+def chunk_entry_states(x, b, weight, log_decay, init, seq_idx, chunk_size, dtype):
+    """The state entering each chunk of ``chunk_size`` tokens, [batch, chunks, heads, head_size,
+    state_size] in ``dtype``: that of the sequence of the token before the chunk (a row's initial
+    state enters its sequence 0). Chunk by chunk as the state pass at one chunk per segment:
+    a chunk adds the tokens of the sequence it ends in, decayed to its end, and keeps the
+    carried state, decayed through the chunk, only if that sequence began before it."""
+    batch, tokens, heads, head_size = x.shape
+    L = chunk_size
+    chunks = -(-tokens // L)
+    pad = chunks * L - tokens
+
+    def chunked(t):
+        t = t.to(dtype)
+        if pad:
+            t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(batch, chunks, L, *t.shape[2:])
+
+    xc, bc = chunked(x), chunked(b.repeat_interleave(heads // b.shape[2], 2))
+    w, g = chunked(weight), chunked(log_decay).cumsum(2)                         # [B, K, L, H]
+    g_end = g[:, :, -1]                                                          # [B, K, H]
+    if seq_idx is None:
+        seq = torch.zeros(batch, chunks * L, dtype=torch.long, device=x.device)
+    else:  # padding repeats the last token's sequence
+        seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, pad)], 1)
+    seq = seq.reshape(batch, chunks, L)
+    end_seq = seq[:, :, -1:]
+    before = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)                      # [B, K]
+    weights = w * torch.exp(g_end[:, :, None] - g) * (seq == end_seq)[..., None]  # [B, K, L, H]
+    local = torch.einsum("bklh,bklhp,bklhn->bkhpn", weights, xc, bc)
+    keep = torch.exp(g_end) * (before == end_seq[..., 0])[..., None]             # [B, K, H]
+    state = torch.zeros(batch, heads, head_size, b.shape[3], dtype=dtype, device=x.device)
+    if init is not None:
+        state = init.to(dtype) * (seq[:, 0, 0] == 0)[:, None, None, None]
+    entries = []
+    for k in range(chunks):
+        entries.append(state)
+        state = keep[:, k, :, None, None] * state + local[:, k]
+    return torch.stack(entries, 1)
 
 
 def chunk_grads_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads, seq_idx=None, *, chunk_size):

@@ -47,6 +47,7 @@ PIECES = {
     "causal_conv1d_update": "conv1d",
     "mamba_chunk_scan_combined": "ssm",
     "selective_state_update": "ssm",
+    "mamba_split_conv1d_scan_combined": "ssm",  # training: the whole mixer, differentiable
 }
 # The keyword arguments each accepts (taken now, before anything can stand in for them): the
 # mixer's other keyword arguments are dropped, as transformers drops those its kernels lack.
@@ -60,7 +61,7 @@ class Structure:
 
     release: str  # the transformers release it was written against
     method: str  # the mixer method whose code calls the kernels
-    names: dict  # module-level name that code calls -> our function (None: the training-only kernel)
+    names: dict  # module-level name that code calls -> our function
     left_out: tuple = ()  # mixer classes of MIXERS not patched under this structure
 
 
@@ -70,7 +71,8 @@ STRUCTURES = (
         method="cuda_kernels_forward",
         names={"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update",
                "selective_state_update": "selective_state_update",
-               "mamba_chunk_scan_combined": "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined": None},
+               "mamba_chunk_scan_combined": "mamba_chunk_scan_combined",
+               "mamba_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined"},
         # Its cuda_kernels_forward enters torch.cuda.device, so it cannot be checked on a CPU.
         left_out=("FalconH1Mixer",),
     ),
@@ -79,7 +81,8 @@ STRUCTURES = (
         method="forward",
         names={"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update",
                "mamba2_selective_state_update": "selective_state_update",
-               "mamba2_chunk_scan": "mamba_chunk_scan_combined", "mamba2_split_conv1d_scan_combined": None},
+               "mamba2_chunk_scan": "mamba_chunk_scan_combined",
+               "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined"},
     ),
 )
 
@@ -108,10 +111,14 @@ def apply_tilegym_kernel_to_mamba2(
 
     Prefill: ``causal_conv1d_fn`` over the prompt and ``mamba_chunk_scan_combined`` (its final
     states fill the cache); decode: ``causal_conv1d_update`` and ``selective_state_update`` in
-    place on the cache. Neither mamba_ssm nor causal_conv1d needs to be installed. Mixers in
-    training mode, or called while autograd records (the conv and state-update kernels have no
-    backward), keep their
-    own forward; ``generate()`` and ``torch.no_grad()`` / ``torch.inference_mode()`` calls use ours.
+    place on the cache; training (a mixer in training mode with one group of B and C):
+    ``mamba_split_conv1d_scan_combined`` where the mixer calls it, else the prefill pieces, with
+    the scan ours and the other pieces the pytorch backend's, all differentiable. Neither
+    mamba_ssm nor causal_conv1d needs to be installed. Other calls while autograd records (the
+    conv and state-update kernels have no backward), and training mixers with several groups
+    (the combined call normalises per group as mamba_ssm does, transformers' own norm over the
+    whole width), keep their own forward; ``generate()`` and ``torch.no_grad()`` /
+    ``torch.inference_mode()`` calls use ours.
     Works with the mixers of transformers 5.3 and 5.17 (``STRUCTURES``).
 
     Args:
@@ -281,20 +288,39 @@ def _patched_forward(cls, structure, conv1d: bool, ssm: bool, backend):
     """A forward for ``cls`` that runs its ``structure.method`` on our functions."""
     original = _unpatched_forward(cls)
     source = original if structure.method == "forward" else getattr(cls, structure.method)
-    kernel_forward = _with_globals(source, _kernel_scope(source, structure, {"conv1d": conv1d, "ssm": ssm}, backend))
+    flags = {"conv1d": conv1d, "ssm": ssm}
+    kernel_forward = _with_globals(source, _kernel_scope(source, structure, flags, backend))
+    # Training: every piece differentiable. Mixers take the combined call, or (with a cache, or
+    # some hybrids with masked inputs or without their memory-efficient path) the prefill and
+    # decode pieces: there the scan is ours as it is (differentiable), the others the pytorch
+    # backend's (PyTorch operations, which autograd follows).
+    training_forward = _with_globals(source, _kernel_scope(source, structure, flags, backend, training=True))
     # 5.3: some mixers' forward also takes **kwargs, which cuda_kernels_forward does not.
     accepted = None if source is original else set(_named_params(kernel_forward))
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if self.training or _records_grad(self, args, kwargs):
+        if self.training:
+            if not (ssm and _trains_on_ours(self, args, kwargs)):
+                return original(self, *args, **kwargs)
+            run = training_forward
+        elif _records_grad(self, args, kwargs):
             return original(self, *args, **kwargs)
+        else:
+            run = kernel_forward
         if accepted is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        return kernel_forward(self, *args, **kwargs)
+        return run(self, *args, **kwargs)
 
     setattr(forward, _ORIGINAL, original)
     return forward
+
+
+def _trains_on_ours(mixer, args, kwargs) -> bool:
+    """Whether a training-mode mixer runs on ours: one group of B and C (with several, the
+    combined call normalises per group, as mamba_ssm does, and transformers' norm over the whole
+    width)."""
+    return getattr(mixer, "n_groups", None) == 1
 
 
 def _records_grad(mixer, args, kwargs) -> bool:
@@ -305,16 +331,16 @@ def _records_grad(mixer, args, kwargs) -> bool:
     return bool(getattr(hidden_states, "requires_grad", False)) or any(p.requires_grad for p in mixer.parameters())
 
 
-def _kernel_scope(source, structure, flags: dict, backend) -> dict:
+def _kernel_scope(source, structure, flags: dict, backend, training=False) -> dict:
     """The globals of ``source``'s module with the structure's kernel names bound to our
-    functions (or, for a piece whose flag is off, to what transformers found)."""
+    functions (or, for a piece whose flag is off, to what transformers found); ``training``:
+    every piece but the scans on the pytorch backend (differentiable)."""
     module_globals = inspect.unwrap(source).__globals__
     scope = dict(module_globals)
+    differentiable = ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined")
     for name, ours in structure.names.items():
-        if ours is None:
-            scope[name] = _training_only
-        elif flags[PIECES[ours]]:
-            scope[name] = _ours(ours, backend)
+        if flags[PIECES[ours]]:
+            scope[name] = _ours(ours, "pytorch" if training and ours not in differentiable else backend)
         else:
             scope[name] = _as_found(name, ours, module_globals)
     return scope
@@ -359,11 +385,6 @@ def _as_found(name: str, ours: str, module_globals: dict):
 
     call.__name__ = name
     return call
-
-
-def _training_only(*args, **kwargs):
-    raise RuntimeError("tilegym_mamba2 offers no mamba_split_conv1d_scan_combined; a training-mode mixer "
-                       "keeps its own forward")
 
 
 __all__ = ["apply_tilegym_kernel_to_mamba2", "revert_tilegym_kernel_to_mamba2"]
