@@ -57,6 +57,26 @@ def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqle
     return y, final_states, (torch.stack(ends) if cu_seqlens is not None else None)
 
 
+def _chunked(t, chunk_size, dtype):
+    """[batch, tokens, ...] -> [batch, chunks, chunk_size, ...] in ``dtype``, zero-padded."""
+    pad = -t.shape[1] % chunk_size
+    t = t.to(dtype)
+    if pad:
+        t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return t.reshape(t.shape[0], -1, chunk_size, *t.shape[2:])
+
+
+def _chunked_sequences(seq_idx, x, chunk_size):
+    """Each token's sequence, [batch, chunks, chunk_size] (padding repeats the last token's)."""
+    batch, tokens = x.shape[:2]
+    pad = -tokens % chunk_size
+    if seq_idx is None:
+        seq = torch.zeros(batch, tokens + pad, dtype=torch.long, device=x.device)
+    else:
+        seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, pad)], 1)
+    return seq.reshape(batch, -1, chunk_size)
+
+
 def chunk_entry_states(x, b, weight, log_decay, init, seq_idx, chunk_size, dtype):
     """The state entering each chunk of ``chunk_size`` tokens, [batch, chunks, heads, head_size,
     state_size] in ``dtype``: that of the sequence of the token before the chunk (a row's initial
@@ -64,24 +84,15 @@ def chunk_entry_states(x, b, weight, log_decay, init, seq_idx, chunk_size, dtype
     a chunk adds the tokens of the sequence it ends in, decayed to its end, and keeps the
     carried state, decayed through the chunk, only if that sequence began before it."""
     batch, tokens, heads, head_size = x.shape
-    L = chunk_size
-    chunks = -(-tokens // L)
-    pad = chunks * L - tokens
+    chunks = -(-tokens // chunk_size)
 
     def chunked(t):
-        t = t.to(dtype)
-        if pad:
-            t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(batch, chunks, L, *t.shape[2:])
+        return _chunked(t, chunk_size, dtype)
 
     xc, bc = chunked(x), chunked(b.repeat_interleave(heads // b.shape[2], 2))
     w, g = chunked(weight), chunked(log_decay).cumsum(2)                         # [B, K, L, H]
     g_end = g[:, :, -1]                                                          # [B, K, H]
-    if seq_idx is None:
-        seq = torch.zeros(batch, chunks * L, dtype=torch.long, device=x.device)
-    else:  # padding repeats the last token's sequence
-        seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, pad)], 1)
-    seq = seq.reshape(batch, chunks, L)
+    seq = _chunked_sequences(seq_idx, x, chunk_size)
     end_seq = seq[:, :, -1:]
     before = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)                      # [B, K]
     weights = w * torch.exp(g_end[:, :, None] - g) * (seq == end_seq)[..., None]  # [B, K, L, H]
@@ -123,13 +134,9 @@ def chunk_grads_reference(x, b, c, dy, weight, log_decay, entry_states, end_grad
     dtype = entry_states.dtype
     L = chunk_size
     chunks = -(-tokens // L)
-    pad = chunks * L - tokens
 
     def chunked(t):
-        t = t.to(dtype)
-        if pad:
-            t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(batch, chunks, L, *t.shape[2:])
+        return _chunked(t, L, dtype)
 
     def unchunked(t):
         return t.reshape(batch, chunks * L, *t.shape[3:])[:, :tokens]
@@ -139,11 +146,7 @@ def chunk_grads_reference(x, b, c, dy, weight, log_decay, entry_states, end_grad
     bc, cc = chunked(b.repeat_interleave(rep, 2)), chunked(c.repeat_interleave(rep, 2))
     w, g = chunked(weight), chunked(log_decay).cumsum(2)          # [B, K, L, H]
     g_end = g[:, :, -1:]
-    if seq_idx is None:
-        seq = torch.zeros(batch, chunks * L, dtype=torch.long, device=x.device)
-    else:
-        seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, pad)], 1)
-    seq = seq.reshape(batch, chunks, L)
+    seq = _chunked_sequences(seq_idx, x, L)
     carried = (torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)[..., None] == seq)[..., None]   # [B, K, L, 1]
     going_on = (torch.cat([seq[:, 1:, 0], seq[:, -1:, -1]], 1)[..., None] == seq)[..., None]
 
