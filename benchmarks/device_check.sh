@@ -31,6 +31,36 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+next-tests)
+  # For the next session's first call, one GPU, ~8 minutes: what this session could not run on
+  # a GPU. Three test processes side by side: every backward GPU test (the 1-token case of run31
+  # replayed with its seed first); the serving ops (tiles at occupancy 8, launch plans), the
+  # combined training call and the HF patch (inference and a training step); the forward's.
+  limit=${LIMIT_S:-420}
+  TILEGYM_MAMBA2_SEED=3352746843 timeout 120 python3 -m pytest -q -m gpu tests/test_backward_gpu.py \
+    -k "chunk_backward and 1-1-1-4-128-64" -p no:cacheprovider --tb=short -rfE > "$out/gpu_replay.log" 2>&1 &
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward.log" 2>&1 &
+  HF_HUB_OFFLINE=1 timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_serving_gpu.py \
+    tests/test_serving_peers_gpu.py tests/test_split_conv1d_scan.py tests/test_transformers.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_serving.log" 2>&1 &
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py tests/cutile/test_cutile_graph_gpu.py \
+    tests/test_layer_cutile_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_forward.log" 2>&1
+  wait
+  for log in "$out"/gpu_*.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|passed|failed|Interrupt" "$log" | tail -10
+  done
+  ;;
+next-bench)
+  # The next session's second call, one GPU, ~8 minutes: bench --serving (the state update's new
+  # tiles and plans, HF decode), then bench --backward with mamba_ssm on both shapes.
+  HF_HUB_OFFLINE=1 timeout "${SERVING_S:-200}" python3 -m tilegym_mamba2 bench --serving \
+    --json "$out/serving.json" --png "$out/serving.png" > "$out/serving.log" 2>&1
+  tail -28 "$out/serving.log"
+  timeout "${BENCH_S:-250}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  grep -E "fwd\+bwd|^\|" "$out/backward.log"
+  ;;
 fused3)
   # Ninth session's last call, one GPU, ~5 minutes: three backward test processes side by side
   # (plain op; the layer options that exercise chunk_grads' skip modes and seq_idx; compile and
