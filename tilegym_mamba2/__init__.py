@@ -191,6 +191,12 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     Returns out [batch, seqlen, out_dim], then final_states fp32 if asked.
     """
     op = "mamba2_split_conv1d_scan_combined"
+    if torch.compiler.is_compiling():  # the registry's lookup is not traceable; the composition is
+        from .split_conv1d_scan import split_conv1d_scan
+        return split_conv1d_scan(
+            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
+            return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim,
+            ngroups, norm_before_gate, backend=backend or ("cutile" if zxbcdt.is_cuda else "pytorch"))
     return implementation(op, _serving_backend(op, backend, zxbcdt))(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
         return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups,

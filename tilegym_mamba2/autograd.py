@@ -30,13 +30,14 @@ def wanted(*tensors) -> bool:
 def chunk_forward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, dt: Tensor, init_state: Tensor | None,
                   chunk_size: int, backend: str) -> tuple[Tensor, Tensor]:
     out, final_state = implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
-    return out, final_state
+    # Contiguous, as the fake's outputs are: compiled graphs assume the fake's strides.
+    return out.contiguous(), final_state.contiguous()
 
 
 @chunk_forward.register_fake
 def _(x, a, b, c, d, dt, init_state, chunk_size, backend):
     batch, _, heads, head_size = x.shape
-    return torch.empty_like(x), x.new_empty(batch, heads, head_size, b.shape[3], dtype=_state_dtype(x))
+    return x.new_empty(x.shape), x.new_empty(batch, heads, head_size, b.shape[3], dtype=_state_dtype(x))
 
 
 @torch.library.custom_op("tilegym_mamba2::chunk_backward", mutates_args=())
@@ -83,8 +84,8 @@ def scan_combined(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_
     result = implementation("mamba2_chunk_scan_combined", backend)(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
         (dt_low, dt_high), True, return_varlen_states)
-    varlen = result[2] if return_varlen_states else x.new_empty(_NONE)
-    return result[0], result[1], varlen
+    varlen = result[2].contiguous() if return_varlen_states else x.new_empty(_NONE)
+    return result[0].contiguous(), result[1].contiguous(), varlen
 
 
 @scan_combined.register_fake
@@ -94,7 +95,7 @@ def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seq
     state = (heads, head_size, B.shape[3])
     final_states = x.new_empty(batch, *state, dtype=_state_dtype(x))
     varlen = (C.new_empty(cu_seqlens.shape[0] - 1, *state) if return_varlen_states else x.new_empty(_NONE))
-    return torch.empty_like(x), final_states, varlen
+    return x.new_empty(x.shape), final_states, varlen
 
 
 @torch.library.custom_op("tilegym_mamba2::scan_combined_backward", mutates_args=())
