@@ -63,6 +63,8 @@ class Structure:
     method: str  # the mixer method whose code calls the kernels
     names: dict  # module-level name that code calls -> our function
     left_out: tuple = ()  # mixer classes of MIXERS not patched under this structure
+    # The mixer goes on with its own pieces when the fused training call returns None.
+    fused_call_may_decline: bool = False
 
 
 STRUCTURES = (
@@ -83,6 +85,7 @@ STRUCTURES = (
                "mamba2_selective_state_update": "selective_state_update",
                "mamba2_chunk_scan": "mamba_chunk_scan_combined",
                "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined"},
+        fused_call_may_decline=True,
     ),
 )
 
@@ -111,13 +114,14 @@ def apply_tilegym_kernel_to_mamba2(
 
     Prefill: ``causal_conv1d_fn`` over the prompt and ``mamba_chunk_scan_combined`` (its final
     states fill the cache); decode: ``causal_conv1d_update`` and ``selective_state_update`` in
-    place on the cache; training (a mixer in training mode with one group of B and C):
-    ``mamba_split_conv1d_scan_combined`` where the mixer calls it, else the prefill pieces, with
-    the scan ours and the other pieces the pytorch backend's, all differentiable. Neither
-    mamba_ssm nor causal_conv1d needs to be installed. Other calls while autograd records (the
-    conv and state-update kernels have no backward), and training mixers with several groups
-    (the combined call normalises per group as mamba_ssm does, transformers' own norm over the
-    whole width), keep their own forward; ``generate()`` and ``torch.no_grad()`` /
+    place on the cache. Training (a mixer in training mode): under 5.17 the mixer declines its
+    fused call and runs its own pieces with our scan (differentiable) and the pytorch backend's
+    other pieces, so its own gated norm; under 5.3, whose mixers cannot decline it, mixers with one
+    group of B and C get our ``mamba_split_conv1d_scan_combined`` (with several, it would
+    normalise per group, as mamba_ssm does, where transformers' norm spans the whole width: those
+    keep their own forward in training). Neither mamba_ssm nor causal_conv1d needs to be
+    installed. Other calls while autograd records (the conv and state-update kernels have no
+    backward) keep their own forward; ``generate()`` and ``torch.no_grad()`` /
     ``torch.inference_mode()`` calls use ours.
     Works with the mixers of transformers 5.3 and 5.17 (``STRUCTURES``).
 
@@ -301,7 +305,7 @@ def _patched_forward(cls, structure, conv1d: bool, ssm: bool, backend):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         if self.training:
-            if not (ssm and _trains_on_ours(self, args, kwargs)):
+            if not (ssm and (structure.fused_call_may_decline or _one_group(self))):
                 return original(self, *args, **kwargs)
             run = training_forward
         elif _records_grad(self, args, kwargs):
@@ -316,10 +320,10 @@ def _patched_forward(cls, structure, conv1d: bool, ssm: bool, backend):
     return forward
 
 
-def _trains_on_ours(mixer, args, kwargs) -> bool:
-    """Whether a training-mode mixer runs on ours: one group of B and C (with several, the
-    combined call normalises per group, as mamba_ssm does, and transformers' norm over the whole
-    width)."""
+def _one_group(mixer) -> bool:
+    """One group of B and C: then mamba_ssm's fused training call (ours too) and the mixer's own
+    gated norm agree; with several, the fused call normalises per group and most transformers
+    mixers over the whole width."""
     return getattr(mixer, "n_groups", None) == 1
 
 
@@ -339,7 +343,9 @@ def _kernel_scope(source, structure, flags: dict, backend, training=False) -> di
     scope = dict(module_globals)
     differentiable = ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined")
     for name, ours in structure.names.items():
-        if flags[PIECES[ours]]:
+        if training and ours == "mamba_split_conv1d_scan_combined" and structure.fused_call_may_decline:
+            scope[name] = _declined  # the mixer's own pieces: its own norm, our scan
+        elif flags[PIECES[ours]]:
             scope[name] = _ours(ours, "pytorch" if training and ours not in differentiable else backend)
         else:
             scope[name] = _as_found(name, ours, module_globals)
@@ -374,6 +380,11 @@ def _ours(name: str, backend):
 
     call.__name__ = name
     return call
+
+
+def _declined(*args, **kwargs):
+    """5.17's fused training call, declined: the mixer then runs its prefill pieces."""
+    return None
 
 
 def _as_found(name: str, ours: str, module_globals: dict):
