@@ -56,7 +56,8 @@ def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
     batch, seqlen, _ = zxbcdt.shape
     dim = nheads * headdim
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    xBC = _causal_conv(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
+    xBC = causal_conv1d_differentiable(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx,
+                                       activation=activation).transpose(1, 2)
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     x = x.reshape(batch, seqlen, nheads, headdim)
     B, C = B.reshape(batch, seqlen, ngroups, dstate), C.reshape(batch, seqlen, ngroups, dstate)
@@ -80,20 +81,22 @@ def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
     return (y, final_states) if return_final_states else y
 
 
-def _causal_conv(xBC, weight, bias, seq_idx, activation):
-    """[batch, seqlen, channels] -> the same: depthwise causal convolution, then the activation."""
-    if seq_idx is not None:
-        return causal_conv1d_fn_pytorch(xBC.transpose(1, 2), weight, bias, seq_idx,
-                                        activation=activation).transpose(1, 2)
+def causal_conv1d_differentiable(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                                 final_states_out=None, activation=None):
+    """causal_conv1d_fn's call (x [batch, dim, seqlen]), differentiable: torch's depthwise conv1d
+    where it applies, the pytorch backend's causal_conv1d_fn with packed sequences or states (our
+    cuTile convolution has no backward). Training paths use it (here and transformers.py)."""
+    if seq_idx is not None or initial_states is not None or return_final_states:
+        return causal_conv1d_fn_pytorch(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                        final_states_out, activation)
     # In the wider of the two dtypes (a bf16 model's own conv runs in bf16; fp32 weights keep fp32).
-    dtype = torch.promote_types(xBC.dtype, weight.dtype)
+    dtype = torch.promote_types(x.dtype, weight.dtype)
     width = weight.shape[1]
-    out = F.conv1d(xBC.transpose(1, 2).to(dtype), weight[:, None, :].to(dtype),
-                   None if bias is None else bias.to(dtype), padding=width - 1,
-                   groups=weight.shape[0])[..., :xBC.shape[1]]
+    out = F.conv1d(x.to(dtype), weight[:, None, :].to(dtype), None if bias is None else bias.to(dtype),
+                   padding=width - 1, groups=weight.shape[0])[..., :x.shape[2]]
     if activation in ("silu", "swish"):
         out = F.silu(out)
-    return out.transpose(1, 2).to(xBC.dtype)
+    return out.to(x.dtype)
 
 
 def _gated_rms_norm(y, z, weight, eps, group_size, norm_before_gate):

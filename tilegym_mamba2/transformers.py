@@ -338,13 +338,16 @@ def _records_grad(mixer, args, kwargs) -> bool:
 def _kernel_scope(source, structure, flags: dict, backend, training=False) -> dict:
     """The globals of ``source``'s module with the structure's kernel names bound to our
     functions (or, for a piece whose flag is off, to what transformers found); ``training``:
-    every piece but the scans on the pytorch backend (differentiable)."""
+    differentiable pieces (the scans are; the convolution torch's, the decode pieces the pytorch
+    backend's)."""
     module_globals = inspect.unwrap(source).__globals__
     scope = dict(module_globals)
     differentiable = ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined")
     for name, ours in structure.names.items():
         if training and ours == "mamba_split_conv1d_scan_combined" and structure.fused_call_may_decline:
             scope[name] = _declined  # the mixer's own pieces: its own norm, our scan
+        elif training and ours == "causal_conv1d_fn" and flags["conv1d"]:
+            scope[name] = _training_conv
         elif flags[PIECES[ours]]:
             scope[name] = _ours(ours, "pytorch" if training and ours not in differentiable else backend)
         else:
@@ -380,6 +383,13 @@ def _ours(name: str, backend):
 
     call.__name__ = name
     return call
+
+
+def _training_conv(*args, **kwargs):
+    """The prefill convolution in training: differentiable, torch's conv1d where it applies."""
+    from .split_conv1d_scan import causal_conv1d_differentiable
+
+    return causal_conv1d_differentiable(*args, **{k: v for k, v in kwargs.items() if k in _ACCEPTS["causal_conv1d_fn"]})
 
 
 def _declined(*args, **kwargs):
