@@ -25,8 +25,8 @@ arithmetic, but one whose terms cancel: 4-20% off with bf16 outputs on the H200,
 where dl is small (benchmarks/NOTES.md, experiments 34 and 40). Then
     ddt_t = x_t . (dh_t b_t) + a dl_t,    da = sum dt_t dl_t,    dinit = exp(l_first) dh_first.
 
-A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens, chunk_states=True,
-outputs=...) and returns (y or None, final_states, varlen_states or None, chunk states); init is
+A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens, outputs=...) and
+returns (y or None, final_states, varlen_states or None, chunk states); init is
 [batch, ...] or, with cu_seqlens, [num_sequences, ...].
 """
 import contextlib
@@ -73,8 +73,7 @@ def kernels_for(backend, dtype) -> "Kernels":
 
 
 class Kernels(NamedTuple):
-    """What backward.py runs on: a scan that also gives its chunk entry states
-    (``chunk_states=True``), and chunk_grads, which makes the gradients from those of the forward
+    """What backward.py runs on: a scan that also gives its chunk entry states, and chunk_grads, which makes the gradients from those of the forward
     and the reversed scan; chunk_size: the chunks of both."""
     scan: Callable
     chunk_grads: Callable
@@ -94,7 +93,8 @@ def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
                                            chunk_size=chunk_size)
         return input_grad(dxs, weight.to(dtype), dy, skip, x.dtype), *rest
 
-    return Kernels(functools.partial(scan_reference, dtype=dtype, chunk_size=chunk_size), chunk_grads, chunk_size)
+    scan = functools.partial(scan_reference, dtype=dtype, chunk_size=chunk_size, chunk_states=True)
+    return Kernels(scan, chunk_grads, chunk_size)
 
 
 def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -128,8 +128,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
             per_sequence_init = True
         if dvarlen_states is None:
             dvarlen_states = x.new_zeros(sequences, *state, dtype=acc)
-    y, _, _, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens, chunk_states=True,
-                           outputs=want_y)
+    y, _, _, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens, outputs=want_y)
 
     # Backwards in time on token-reversed inputs, padded at the front to whole chunks so that
     # reversed chunks are the forward's chunks (padding: no input, no decay, no sequence change).
@@ -150,8 +149,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
 
     # 2, states only: chunk_grads makes every gradient from the two scans' chunk states. The
     # outputs' varlen states are dh at each sequence's first token (for per-sequence dinit).
-    rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, chunk_states=True,
-               outputs=per_sequence_init)
+    rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, outputs=per_sequence_init)
     dh_first, dh_starts = rev[1], rev[2]
     dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip)
     if per_sequence_init:

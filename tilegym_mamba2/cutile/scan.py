@@ -18,18 +18,16 @@ from .scan_combined import scan_stages
 from .tuning import choose_config
 
 
-def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, chunk_states=False,
-         outputs=True):
+def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, outputs=True):
     """x [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size] in x's dtype;
-    weight, log_decay [batch, tokens, heads] fp32 -> (y in x's dtype, final_states fp32,
-    varlen_states fp32 with cu_seqlens else None), see scan_reference.scan_reference.
-    ``chunk_states``: one segment per chunk, and a fourth value (entry states, one per chunk, and
-    the decay sums) for chunk_grads; without ``outputs`` only the state pass runs (y is None)."""
+    weight, log_decay [batch, tokens, heads] fp32 -> (y in x's dtype or None, final_states fp32,
+    varlen_states fp32 with cu_seqlens else None, chunk states for chunk_grads: entry states, one
+    per chunk, and the decay sums), see scan_reference.scan_reference. One segment per chunk;
+    without ``outputs`` only the state pass runs."""
     batch, tokens, heads, head_size = x.shape
     groups, state_size = b.shape[2], b.shape[3]
-    config = choose_config(batch, tokens, groups, heads, head_size, state_size, 64, x.device)
-    if chunk_states:
-        config = replace(config, chunks_per_segment=1)
+    config = replace(choose_config(batch, tokens, groups, heads, head_size, state_size, 64, x.device),
+                     chunks_per_segment=1)
     chunk = config.chunk_size
     padded = -(-tokens // chunk) * chunk
     # Padded tokens: weight 0 and no decay, as chunk_cumsum leaves them.
@@ -43,7 +41,6 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
     if init is not None:
         init = init.to(torch.float32).contiguous()
-    # A group's B or C shared by every head arrives as a stride-0 view: read it, don't copy it.
     x, b, c = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, b, c))
     if not outputs:
         # Chunk states only: per-sequence initial states stay out of them, as in scan_stages.
@@ -53,9 +50,7 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
         return None, final_states, None, (entry_states, decay_cumsum, weight_bht)
     y, final_states, varlen, entry_states = scan_stages(x, b, c, None, None, weight_bht, decay_cumsum, init, seq, cu,
                                                         config, with_varlen_states=cu is not None)
-    if chunk_states:
-        return y, final_states, varlen, (entry_states, decay_cumsum, weight_bht)
-    return y, final_states, varlen
+    return y, final_states, varlen, (entry_states, decay_cumsum, weight_bht)
 
 
 def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip):
