@@ -70,12 +70,12 @@ def definition(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, in
     d_nonssm = (zxbcdt.shape[2] - 2 * dim - 2 * ngroups * dstate - nheads) // 2
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
     width = conv1d_weight.shape[1]
-    seq = torch.zeros(batch, seqlen, dtype=torch.long) if seq_idx is None else seq_idx.long()
+    seq = torch.zeros(batch, seqlen, dtype=torch.long, device=zxbcdt.device) if seq_idx is None else seq_idx.long()
     conv = conv1d_bias.expand(batch, seqlen, -1)
     for tap in range(width):  # the input tap positions back, from the same sequence only
         back = width - 1 - tap
         shifted = F.pad(xBC, (0, 0, back, 0))[:, :seqlen]
-        same = torch.ones(batch, seqlen, dtype=torch.bool)
+        same = torch.ones(batch, seqlen, dtype=torch.bool, device=zxbcdt.device)
         if back:
             same[:, back:] = seq[:, back:] == seq[:, :-back]
             same[:, :back] = False

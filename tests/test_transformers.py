@@ -550,7 +550,8 @@ def on_torch_path(models, monkeypatch):
                 layer.mixer.forward = layer.mixer.torch_forward
         return
     packages = [p for p in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(p) is not None]
-    for name in MODULE_NAMES.values():
+    # The training mixer's fused call too: its torch code returns None, so the mixer runs its pieces.
+    for name in (*MODULE_NAMES.values(), "mamba2_split_conv1d_scan_combined"):
         torch_code = inspect.unwrap(getattr(modeling_mamba2, name))
         if torch_code.__module__ == modeling_mamba2.__name__:
             monkeypatch.setattr(modeling_mamba2, name, torch_code)
