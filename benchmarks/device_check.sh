@@ -31,6 +31,26 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+tenth)
+  # Tenth session, one GPU, ~8 minutes: chunk_grads' head blocks (experiment 41) swept alone on
+  # the GPU, then three test processes side by side: run32's 1-token seed replayed and every
+  # backward GPU test; the combined call's and the HF patch's GPU tests; the forward's graph tests.
+  timeout "${SWEEP_S:-150}" python3 benchmarks/variants/chunk_grads_blocks.py > "$out/chunk_grads_blocks.log" 2>&1
+  cat "$out/chunk_grads_blocks.log"
+  limit=${LIMIT_S:-330}
+  (TILEGYM_MAMBA2_SEED=3352746843 TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_replay.log" timeout 100 python3 -m pytest \
+    -q -m gpu tests/test_backward_gpu.py -k "chunk_backward and 1-1-1-4-128-64" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_replay.log" 2>&1
+   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward.log" 2>&1) &
+  HF_HUB_OFFLINE=1 timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/test_split_conv1d_scan.py \
+    tests/test_transformers.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_serving.log" 2>&1 &
+  wait
+  for log in "$out"/gpu_*.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -10
+  done
+  cat "$out"/grad_errors_replay.log "$out"/grad_errors.log 2>/dev/null | grep -v "^layer" | cut -c1-220
+  ;;
 next-tests)
   # For the next session's first call, one GPU, ~8 minutes: what this session could not run on
   # a GPU. Three test processes side by side: every backward GPU test (the 1-token case of run31

@@ -267,8 +267,11 @@ def _per_head(bc, heads):
 
 
 def group_sums(per_head, groups, dtype=torch.float32):
-    """[batch, tokens, heads, n] -> [batch, tokens, groups, n], summed in ``dtype``."""
+    """[batch, tokens, heads (or blocks of a group's heads), n] -> [batch, tokens, groups, n],
+    summed in ``dtype``."""
     batch, tokens, heads, n = per_head.shape
+    if heads == groups:
+        return per_head.to(dtype)
     return per_head.view(batch, tokens, groups, heads // groups, n).sum(3, dtype=dtype)
 
 
