@@ -31,6 +31,30 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+tenth-verify)
+  # Tenth session, one GPU, ~9 minutes: every backward GPU test on the final chunk_grads, three
+  # processes side by side (run32's 1-token seed replayed, the plain op, compile and state 512;
+  # the layer options; next to mamba_ssm's gradients), then bench --backward against mamba_ssm.
+  limit=${LIMIT_S:-270}
+  (TILEGYM_MAMBA2_SEED=3352746843 TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_replay.log" timeout 100 python3 -m pytest \
+    -q -m gpu tests/test_backward_gpu.py -k "chunk_backward and 1-1-1-4-128-64" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_replay.log" 2>&1
+   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_plain.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "chunk_backward or compile or 512" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_plain.log" 2>&1) &
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "layer_autograd" -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1 &
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_peer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "mamba_ssm" -p no:cacheprovider --tb=short -rfE > "$out/gpu_peer.log" 2>&1 &
+  wait
+  for log in "$out"/gpu_*.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -8 | cut -c1-400
+  done
+  cat "$out"/grad_errors_replay.log "$out"/grad_errors_peer.log 2>/dev/null | cut -c1-220
+  timeout "${BENCH_S:-230}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  grep -E "fwd\+bwd|^\|" "$out/backward.log"
+  ;;
 tenth)
   # Tenth session, one GPU, ~8 minutes: chunk_grads' head blocks (experiment 41) swept alone on
   # the GPU, then three test processes side by side: run32's 1-token seed replayed and every
