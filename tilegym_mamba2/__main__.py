@@ -185,7 +185,7 @@ def bench_cmd(args) -> int:
         return 0
     if args.backward:
         from .bench_backward import backward_table, run_backward_bench
-        rows = run_backward_bench(tilegym_shapes=0 if args.only is not None and "tilegym" not in args.only else 2)
+        rows = run_backward_bench(only=args.only)
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
         print(backward_table(rows))

@@ -88,8 +88,11 @@ def _max_error(grads, refs):
     return worst
 
 
-def run_backward_bench(shapes=ANCHOR_SHAPES[:2], tilegym_shapes=2, log=print):
+def run_backward_bench(shapes=ANCHOR_SHAPES[:2], tilegym_shapes=2, only=None, log=print):
+    """only: the peers to time (names in implementations()), all of them when None; ours always."""
     impls, notes = implementations()
+    if only is not None:
+        impls = {name: fn for name, fn in impls.items() if name.startswith("ours") or name in only}
     for name, note in notes.items():
         log(f"{name}: skipped, {note}")
     rows = []

@@ -6,13 +6,10 @@ import sys
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
+from timing import backward_inputs  # this folder's
 
 shape = tuple(int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "2,8192,1,80,128,64").split(","))
-spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
-inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
-dout = torch.randn_like(inputs["x"])
-dfinal = torch.randn_like(inputs["init_state"])
+inputs, dout, dfinal = backward_inputs(shape)
 
 
 def step():

@@ -7,22 +7,17 @@ default's; they differ only in the order of fp32 sums.
 """
 import sys
 
-import torch
 
 import tilegym_mamba2
 from tilegym_mamba2.cutile import chunk_grads as cg
-from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-from timing import median_ms
+from timing import backward_inputs, median_ms
 
 VARIANTS = (1, 2, 4, 8, 16)
 SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64")
 
 
 def run(shape):
-    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
-    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
-    dout = torch.randn_like(inputs["x"])
-    dfinal = torch.randn_like(inputs["init_state"])
+    inputs, dout, dfinal = backward_inputs(shape)
 
     def step():
         return tilegym_mamba2.mamba2_chunk_backward(**inputs, dout=dout, dfinal_state=dfinal)

@@ -47,3 +47,11 @@ def tuned_inputs(shape):
     config = config_for(*args)
     dt_bht, g = chunk_cumsum(args[5], args[1], config.chunk_size)
     return args, config, dt_bht, g
+
+
+def backward_inputs(shape):
+    """GPU inputs of mamba2_chunk_backward for a shape: the forward's keyword arguments, dout and
+    dfinal_state."""
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
+    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+    return inputs, torch.randn_like(inputs["x"]), torch.randn_like(inputs["init_state"])
