@@ -7,42 +7,18 @@ bench_serving's (2.7B mixer, HF's call form).
 
     python benchmarks/variants/state_update_tiles.py [batch ...]
 """
-import statistics
 import sys
 
 import torch
 
 from tilegym_mamba2 import bench_serving
+from tilegym_mamba2.cutile import plan
 from tilegym_mamba2.cutile import selective_state_update as ssu
+from timing import graph_us  # this folder's
 
 CALLS = 8
 HEAD_TILES = (4, 8, 16, 32, 64)
 OCCUPANCIES = (None, 2, 4, 8, 16)
-
-
-def graph_us(calls, reps=30):
-    """Median GPU us per call of a captured graph of ``calls`` (a list of thunks)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def main(batches):
@@ -68,6 +44,7 @@ def main(batches):
         for head_tile in HEAD_TILES:
             for occupancy in OCCUPANCIES:
                 name = f"head_tile {head_tile:2d} occupancy {occupancy}"
+                plan.forget()  # a remembered launch plan would keep the last variant's tiles
                 ssu.tiles_for = lambda *s, h=head_tile: (h, default_tiles(*s)[1])
                 ssu.selective_state_update_kernel = (default_kernel if occupancy is None
                                                      else default_kernel.replace_hints(occupancy=occupancy))
@@ -78,6 +55,7 @@ def main(batches):
                 except Exception as e:  # noqa: BLE001
                     rows.append((f"{name}: {type(e).__name__} {str(e)[:80]}", float("nan")))
         ssu.tiles_for, ssu.selective_state_update_kernel = default_tiles, default_kernel
+        plan.forget()
         print(f"\n## batch {batch}: state {gbytes * 1e3:.1f} MB moved per call")
         for name, us in sorted(rows, key=lambda r: (r[1] != r[1], r[1])):
             print(f"{name:48s} {us:8.1f} us  {gbytes / (us * 1e-6) / 1e3:5.2f} TB/s")

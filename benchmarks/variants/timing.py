@@ -55,3 +55,28 @@ def backward_inputs(shape):
     spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
     inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
     return inputs, torch.randn_like(inputs["x"]), torch.randn_like(inputs["init_state"])
+
+
+def graph_us(calls, reps=30):
+    """Median GPU us per call of a captured graph of ``calls`` (a list of thunks)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
