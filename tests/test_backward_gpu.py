@@ -137,7 +137,7 @@ def layer_case(options, batch, tokens, groups, heads, state, head, dtype, seed):
 
 
 @pytest.mark.parametrize("name", list(LAYER_OPTIONS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_layer_autograd_matches_float64(name, dtype):
     options = LAYER_OPTIONS[name]
     seed = fresh_seed()
