@@ -16,7 +16,7 @@ import torch
 from tilegym_mamba2 import bench_serving
 from tilegym_mamba2.cutile import causal_conv1d_update as conv
 from tilegym_mamba2.cutile import plan
-from timing import graph_us  # this folder's
+from timing import graph_us, print_rows, variant_row  # this folder's
 
 CALLS = 8
 DIM_TILES = (128, 256, 512, 1024)
@@ -44,19 +44,11 @@ def main(batches):
                 conv.dim_tile_for = lambda *s, t=dim_tile: t
                 conv.causal_conv1d_update_kernel = (default_kernel if occupancy is None
                                                     else default_kernel.replace_hints(occupancy=occupancy))
-                try:
-                    got = once()
-                    same = all(torch.equal(g, w) for g, w in zip(got, want))
-                    us = graph_us([lambda a=a: conv.causal_conv1d_update(**a) for a in argsets])
-                    rows.append((name + ("" if same else " DIFFERS"), us))
-                except Exception as e:  # noqa: BLE001
-                    rows.append((f"{name}: {type(e).__name__} {str(e)[:80]}", float("nan")))
+                rows.append(variant_row(name, lambda: all(torch.equal(g, w) for g, w in zip(once(), want)),
+                                        [lambda a=a: conv.causal_conv1d_update(**a) for a in argsets]))
         conv.dim_tile_for, conv.causal_conv1d_update_kernel = default_tiles, default_kernel
         plan.forget()
-        print(f"\n## batch {batch}: {mbytes:.2f} MB moved per call at least")
-        for name, us in sorted(rows, key=lambda r: (r[1] != r[1], r[1])):
-            print(f"{name:40s} {us:8.2f} us  {mbytes / us:6.3f} TB/s")
-        sys.stdout.flush()
+        print_rows(f"batch {batch}", rows, mbytes)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 from tilegym_mamba2 import bench_serving
 from tilegym_mamba2.cutile import plan
 from tilegym_mamba2.cutile import selective_state_update as ssu
-from timing import graph_us  # this folder's
+from timing import graph_us, print_rows, variant_row  # this folder's
 
 CALLS = 8
 HEAD_TILES = (4, 8, 16, 32, 64)
@@ -48,18 +48,12 @@ def main(batches):
                 ssu.tiles_for = lambda *s, h=head_tile: (h, default_tiles(*s)[1])
                 ssu.selective_state_update_kernel = (default_kernel if occupancy is None
                                                      else default_kernel.replace_hints(occupancy=occupancy))
-                try:
-                    same = torch.equal(ssu.selective_state_update(**dict(argsets[0], state=ref.clone())), want)
-                    us = graph_us([lambda a=a: ssu.selective_state_update(**a) for a in argsets])
-                    rows.append((name + ("" if same else " DIFFERS"), us))
-                except Exception as e:  # noqa: BLE001
-                    rows.append((f"{name}: {type(e).__name__} {str(e)[:80]}", float("nan")))
+                rows.append(variant_row(
+                    name, lambda: torch.equal(ssu.selective_state_update(**dict(argsets[0], state=ref.clone())), want),
+                    [lambda a=a: ssu.selective_state_update(**a) for a in argsets]))
         ssu.tiles_for, ssu.selective_state_update_kernel = default_tiles, default_kernel
         plan.forget()
-        print(f"\n## batch {batch}: state {gbytes * 1e3:.1f} MB moved per call")
-        for name, us in sorted(rows, key=lambda r: (r[1] != r[1], r[1])):
-            print(f"{name:48s} {us:8.1f} us  {gbytes / (us * 1e-6) / 1e3:5.2f} TB/s")
-        sys.stdout.flush()
+        print_rows(f"batch {batch}", rows, gbytes * 1e3)
 
 
 if __name__ == "__main__":

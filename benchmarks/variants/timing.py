@@ -1,5 +1,6 @@
 """Timing helpers shared by the scratch experiments in this folder (GPU)."""
 import statistics
+import sys
 
 import torch
 
@@ -80,3 +81,20 @@ def graph_us(calls, reps=30):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / len(calls))
     return statistics.median(times)
+
+
+def variant_row(name, same, calls):
+    """(name, GPU us per call) of one kernel variant, marked DIFFERS where same() is false; or
+    (name and the error, nan) where it does not run."""
+    try:
+        return name + ("" if same() else " DIFFERS"), graph_us(calls)
+    except Exception as e:  # noqa: BLE001
+        return f"{name}: {type(e).__name__} {str(e)[:80]}", float("nan")
+
+
+def print_rows(title, rows, mbytes):
+    """The variants fastest first, with the bytes they must move per second (MB / us = TB/s)."""
+    print(f"\n## {title}: {mbytes:.2f} MB moved per call at least")
+    for name, us in sorted(rows, key=lambda r: (r[1] != r[1], r[1])):
+        print(f"{name:48s} {us:8.2f} us  {mbytes / us:6.3f} TB/s")
+    sys.stdout.flush()
