@@ -26,6 +26,8 @@ from .launch import launch, new_output
 # Heads whose db and dc one block sums: fewer, fp32 partial sums, and c . b once for them all,
 # against fewer blocks in flight. Experiment 41 (run33): 2.7B layer backward 4.97 / 4.62 / 4.50 /
 # 4.44 ms at 1 / 4 / 8 / 16; source config 2.47 ms at 1, 2.22 at 8 (its 8 heads).
+# A runtime argument, not a constant: every head count shares one compile (a second shape with
+# another block size cost a ~4 s compile on its first backward call, run34).
 BLOCK_HEADS = 16
 
 
@@ -33,7 +35,7 @@ BLOCK_HEADS = 16
 def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum,
                        seq_idx, d, dx, ddt_input, dl, db, dc, chunk_size: ct.Constant[int],
                        head_size: ct.Constant[int], state_size: ct.Constant[int], has_seq: ct.Constant[bool],
-                       skip_mode: ct.Constant[int], block_heads: ct.Constant[int]):
+                       skip_mode: ct.Constant[int], block_heads: int):
     batch_block, chunk = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     blocks = heads // block_heads
