@@ -31,6 +31,27 @@
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
 case "${1:-tests}" in
+eleventh)
+  # Eleventh session, one GPU, ~7 minutes: causal_conv1d_update's channel tile and occupancy swept
+  # alone (bits checked against main's), bench --backward on ours alone for the runtime heads per
+  # block (speed as run34's, the 2.7B first call without a second chunk_grads compile), then the
+  # plain op's backward tests next to the conv update's GPU tests.
+  timeout "${SWEEP_S:-100}" python3 benchmarks/variants/conv_update_tiles.py 1 64 256 > "$out/conv_update_tiles.log" 2>&1
+  cat "$out/conv_update_tiles.log"
+  timeout "${BENCH_S:-140}" python3 -m tilegym_mamba2 bench --backward --only \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  grep -E "fwd\+bwd|^\|" "$out/backward.log"
+  limit=${LIMIT_S:-170}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_plain.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "chunk_backward or compile" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_plain.log" 2>&1 &
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_serving_gpu.py tests/test_serving_peers_gpu.py \
+    -k "conv_update" -p no:cacheprovider --tb=short -rfE > "$out/gpu_conv_update.log" 2>&1 &
+  wait
+  for log in "$out"/gpu_*.log; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -8 | cut -c1-400
+  done
+  ;;
 next-serving)
   # For the next session, one GPU, ~3 minutes: causal_conv1d_update's channel tile and occupancy
   # (run35: 139 us at batch 256 against a 6.4 us floor), then the state update's sweep again at
