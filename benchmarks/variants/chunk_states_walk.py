@@ -1,0 +1,132 @@
+"""Experiment 46 (GPU): every chunk's entry state from one walk over the chunks, for the backward.
+
+The backward runs the forward's state pass at one chunk per segment (segment_states, then
+state_scan): per chunk it writes a local state, reads it back and writes the entry state, three
+fp32 tiles, 1.5 ms of the 2.7B layer's 4.2 ms backward (run29's profile). A walk keeps the state
+in registers and writes each entry state once, as tilegym's own state passes do (0.12 ms each on
+the source config, run36). Ours stored wrong states on the H200 twice (runs 30 and 33: the
+stored states were the decayed initial state alone while the final state was right), and that
+code did not survive into this session. This one is written again, in three orders of the
+loop's store and update (FORMS), each checked against the state pass on the same inputs
+(entry states and final state, fp32: they should agree to ~1e-6, the two sum the same bf16
+products in another order) and timed next to it at a few tiles.
+
+    python3 benchmarks/variants/chunk_states_walk.py [B,T,G,H,N,P ...]
+"""
+import sys
+from dataclasses import replace
+
+import cuda.tile as ct
+import torch
+
+from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
+from tilegym_mamba2.cutile.launch import launch
+from timing import median_ms, tuned_inputs  # this folder's
+
+TOP, FRESH, AFTER = 0, 1, 2
+FORMS = {TOP: "store, then mma(bw, x, state * decay)",
+         FRESH: "store, then state * decay + mma(bw, x, 0)",
+         AFTER: "mma(bw, x, state * decay), then store the next chunk's entry"}
+TILES = ((64, 64), (64, 32), (64, 16), (128, 32))  # (state rows, head columns) of a block's state
+SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64", "1,1000,2,8,128,64")
+
+
+@ct.kernel(occupancy=2)
+def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_states, final_state,
+                             chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
+                             state_tile: ct.Constant[int], has_init: ct.Constant[bool], form: ct.Constant[int]):
+    batch_head, tile = ct.bid(0), ct.bid(1)
+    heads = x.shape[2]
+    batch, head = batch_head // heads, batch_head % heads
+    group = head // (heads // b.shape[2])
+    state_tiles = ct.cdiv(b.shape[3], state_tile)
+    p_tile, n_tile = tile // state_tiles, tile % state_tiles
+    num_chunks = dt_bht.shape[2] // chunk_size
+
+    if has_init:
+        state_t = ct.load(init_state, (batch, head, n_tile, p_tile), (1, 1, state_tile, head_tile),
+                          order=(0, 1, 3, 2)).reshape((state_tile, head_tile))
+    else:
+        state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
+    if form == AFTER:
+        ct.store(entry_states, (batch, head, n_tile, p_tile), state_t.reshape((1, 1, state_tile, head_tile)))
+    for chunk in range(num_chunks):
+        if form != AFTER:
+            ct.store(entry_states, (batch, head, chunk * state_tiles + n_tile, p_tile),
+                     state_t.reshape((1, 1, state_tile, head_tile)))
+        x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
+        b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((state_tile, chunk_size))
+        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g_last = ct.extract(g, (chunk_size - 1,), (1,))
+        keep = ct.exp2(g_last).reshape((1, 1))
+        # The same bf16 operand as segment_states' at one chunk per segment.
+        weighted_b = (b_t.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[None, :]).astype(x.dtype)
+        if form == FRESH:
+            state_t = state_t * keep + ct.mma(weighted_b, x_tile,
+                                              ct.zeros((state_tile, head_tile), dtype=ct.float32))
+        else:
+            state_t = ct.mma(weighted_b, x_tile, state_t * keep)
+        if form == AFTER:
+            ct.store(entry_states, (batch, head, (chunk + 1) * state_tiles + n_tile, p_tile),
+                     state_t.reshape((1, 1, state_tile, head_tile)))
+    ct.store(final_state, (batch, head, n_tile, p_tile), state_t.reshape((1, 1, state_tile, head_tile)),
+             order=(0, 1, 3, 2))
+
+
+def walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, state_tile, head_tile, form, poison=True):
+    """-> (entry_states [batch, heads, (chunks + 1) * state_size, head_size] fp32, final_state
+    [batch, heads, head_size, state_size] fp32); ``poison``: NaN where not written (the last slot
+    is written by AFTER only), else allocated as the package does (empty)."""
+    batch, _, heads, head_size = x.shape
+    state_size = b.shape[3]
+    chunks = dt_bht.shape[2] // chunk_size
+    new = torch.full if poison else (lambda shape, _, device: torch.empty(shape, device=device))
+    entry = new((batch, heads, (chunks + 1) * state_size, head_size), float("nan"), device=x.device)
+    final = new((batch, heads, head_size, state_size), float("nan"), device=x.device)
+    tiles = (head_size // head_tile) * (state_size // state_tile)
+    launch((batch * heads, tiles), chunk_states_walk_kernel,
+           (x, b, dt_bht, decay_cumsum, final if init_state is None else init_state, entry, final, chunk_size,
+            head_tile, state_tile, init_state is not None, form))
+    return entry, final
+
+
+def rel_err(got, want):
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def run(shape):
+    args, config, dt_bht, g = tuned_inputs(shape)
+    x, b, init = args[0], args[2], args[6]
+    chunk = config.chunk_size
+    config = replace(config, chunks_per_segment=1)  # what the backward's scans run
+    state_size = b.shape[3]
+    for with_init in (True, False):
+        start = init if with_init else None
+        want_entry, want_final = fwd_pass_state(x, b, dt_bht, g, start, chunk, config)
+        chunks = dt_bht.shape[2] // chunk
+        pass_ms = median_ms(lambda: fwd_pass_state(x, b, dt_bht, g, start, chunk, config), reps=20)
+        print(f"{shape} init={with_init}: state pass (one chunk per segment) {pass_ms:.3f} ms", flush=True)
+        for state_tile, head_tile in TILES:
+            if state_size % state_tile or x.shape[3] % head_tile:
+                continue
+            for form, text in FORMS.items():
+                entry, final = walk(x, b, dt_bht, g, start, chunk, state_tile, head_tile, form)
+                entry_err = rel_err(entry[:, :, :chunks * state_size], want_entry)
+                final_err = rel_err(final, want_final)
+                unwritten = torch.isnan(entry[:, :, :chunks * state_size]).any().item()
+                worst_chunk = max(range(chunks), key=lambda k: rel_err(
+                    entry[:, :, k * state_size:(k + 1) * state_size], want_entry[:, :, k * state_size:(k + 1) * state_size]))
+                ok = entry_err < 1e-4 and final_err < 1e-4 and not unwritten
+                ms = median_ms(lambda: walk(x, b, dt_bht, g, start, chunk, state_tile, head_tile, form, poison=False),
+                               reps=20)
+                print(f"  walk {state_tile:3d} x {head_tile:2d} [{text}]: {'RIGHT' if ok else 'WRONG'} "
+                      f"entry {entry_err:.1e} (worst chunk {worst_chunk}) final {final_err:.1e}"
+                      f"{' unwritten entries' if unwritten else ''}; {ms:.3f} ms ({pass_ms / ms:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    for text in sys.argv[1:] or SHAPES:
+        run(tuple(int(v) for v in text.split(",")))
