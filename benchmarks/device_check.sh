@@ -34,13 +34,18 @@ case "${1:-tests}" in
 twelfth)
   # For the next session's first call, one GPU, ~9 minutes: the walk's three loop orders checked
   # against the state pass and timed (experiment 46), then tilegym's backward with its search
-  # filtered to run36's winners next to ours (experiment 45), then the layer op's fp16 cases
+  # filtered to run36's winners next to ours (experiment 45), the 2.7B backward's first call with
+  # and without compiling its kernels side by side (experiment 47), then the layer op's fp16 cases
   # (never run on a GPU; ~70 s each, so the limit cuts them: the rest in a later call, with the
   # fp32 seq_idx, cu_seqlens and per_sequence_init cases run36 did not reach).
   timeout "${SWEEP_S:-150}" python3 benchmarks/variants/chunk_states_walk.py > "$out/chunk_states_walk.log" 2>&1
   cat "$out/chunk_states_walk.log"
   timeout "${BENCH_S:-300}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
   grep -E "fwd\+bwd|^\||Error|error" "$out/tilegym_backward.log" | cut -c1-300
+  for how in "" --parallel; do  # experiment 47: the 2.7B fwd+bwd's first call on empty caches
+    CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) timeout 120 \
+      python3 benchmarks/variants/first_call.py backward $how 2>&1 | tail -3 | cut -c1-600
+  done | tee "$out/first_call_backward.log"
   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "${LIMIT_S:-100}" python3 -m pytest -q -m gpu \
     tests/test_backward_gpu.py -k "layer_autograd and dtype2" \
     -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1
