@@ -11,9 +11,11 @@ loop's store and update (FORMS), each checked against the state pass on the same
 (entry states and final state, fp32: they should agree to ~1e-6, the two sum the same bf16
 products in another order) and timed next to it at a few tiles. The fastest right one then
 replaces the state pass in both of the backward's scans: the whole backward's time and its
-gradients' difference from the package's.
+gradients' difference from the package's; and the reversed scan, which today flips dy, b and c
+along the tokens first, runs as a walk from the last chunk on the arrays as they are.
 
     python3 benchmarks/variants/chunk_states_walk.py [B,T,G,H,N,P ...]
+    python3 benchmarks/variants/chunk_states_walk.py --cpu-check   the reverse walk's formulas, no GPU
 """
 import sys
 from dataclasses import replace
@@ -36,7 +38,8 @@ SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64", "1,1000,2,8,128,64")
 @ct.kernel(occupancy=2)
 def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_states, final_state,
                              chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
-                             state_tile: ct.Constant[int], has_init: ct.Constant[bool], form: ct.Constant[int]):
+                             state_tile: ct.Constant[int], has_init: ct.Constant[bool], form: ct.Constant[int],
+                             reverse: ct.Constant[bool]):
     batch_head, tile = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -52,36 +55,53 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_state
         state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
     if form == AFTER:
         ct.store(entry_states, (batch, head, n_tile, p_tile), state_t.reshape((1, 1, state_tile, head_tile)))
-    for chunk in range(num_chunks):
+    for step in range(num_chunks):
+        # reverse: the reversed scan's walk, chunks last to first, its entry states in its order
+        chunk = num_chunks - 1 - step if reverse else step
         if form != AFTER:
-            ct.store(entry_states, (batch, head, chunk * state_tiles + n_tile, p_tile),
+            ct.store(entry_states, (batch, head, step * state_tiles + n_tile, p_tile),
                      state_t.reshape((1, 1, state_tile, head_tile)))
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))
         b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),
                       padding_mode=ct.PaddingMode.ZERO).reshape((state_tile, chunk_size))
-        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
-        keep = ct.exp2(g_last).reshape((1, 1))
-        # The same bf16 operand as segment_states' at one chunk per segment.
-        weighted_b = (b_t.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[None, :]).astype(x.dtype)
+        if reverse:
+            # Backwards, token t's input decays over the chunk's tokens up to t, and the state over
+            # the whole chunk and the next chunk's first token (the reversed scan's shifted decay).
+            g_first = ct.extract(g, (0,), (1,))
+            following = ct.load(decay_cumsum, (batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size))
+            next_first = ct.extract(following.reshape((chunk_size,)), (0,), (1,))
+            next_first = ct.where(chunk + 1 < num_chunks, next_first, 0.0)
+            keep = ct.exp2(g_last - g_first + next_first).reshape((1, 1))
+            weight = ct.exp2(g - g_first)
+        else:
+            keep = ct.exp2(g_last).reshape((1, 1))
+            dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+            weight = dt_tile * ct.exp2(g_last - g)
+        # Forwards, the same bf16 operand as segment_states' at one chunk per segment.
+        weighted_b = (b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype)
         if form == FRESH:
             state_t = state_t * keep + ct.mma(weighted_b, x_tile,
                                               ct.zeros((state_tile, head_tile), dtype=ct.float32))
         else:
             state_t = ct.mma(weighted_b, x_tile, state_t * keep)
         if form == AFTER:
-            ct.store(entry_states, (batch, head, (chunk + 1) * state_tiles + n_tile, p_tile),
+            ct.store(entry_states, (batch, head, (step + 1) * state_tiles + n_tile, p_tile),
                      state_t.reshape((1, 1, state_tile, head_tile)))
     ct.store(final_state, (batch, head, n_tile, p_tile), state_t.reshape((1, 1, state_tile, head_tile)),
              order=(0, 1, 3, 2))
 
 
-def walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, state_tile, head_tile, form, poison=True):
+def walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, state_tile, head_tile, form, poison=True,
+         reverse=False):
     """-> (entry_states [batch, heads, chunks * state_size, head_size] fp32 (AFTER: one more
     chunk's rows, the final state's), final_state [batch, heads, head_size, state_size] fp32);
-    ``poison``: NaN where not written, else allocated as the package does (empty)."""
+    ``poison``: NaN where not written, else allocated as the package does (empty).
+    ``reverse``: the backward's reversed scan on unreversed arrays (x = dy, b = c, no dt; the
+    decay sums are the forward's): entry states in the reversed chunk order, as the package's
+    reversed scan leaves them."""
     batch, _, heads, head_size = x.shape
     state_size = b.shape[3]
     chunks = dt_bht.shape[2] // chunk_size
@@ -91,7 +111,7 @@ def walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, state_tile, head_ti
     tiles = (head_size // head_tile) * (state_size // state_tile)
     launch((batch * heads, tiles), chunk_states_walk_kernel,
            (x, b, dt_bht, decay_cumsum, final if init_state is None else init_state, entry, final, chunk_size,
-            head_tile, state_tile, init_state is not None, form))
+            head_tile, state_tile, init_state is not None, form, reverse))
     return entry, final
 
 
@@ -139,9 +159,45 @@ def check_and_time(shape):
     return sorted((max(ms), *key) for key, ms in times.items() if None not in ms)
 
 
+def check_reverse(shape, state_tile, head_tile, form):
+    """The reversed scan as scan_backward runs it (token flips, shifted decay, then the state pass)
+    against the reverse walk on the arrays as they are: entry states, final state and time."""
+    from tilegym_mamba2.backward import _reverse
+    from tilegym_mamba2.cutile.scan import scan
+
+    args, config, _, g = tuned_inputs(shape)
+    x, a, b, c, dt = args[0], args[1], args[2], args[3], args[5]
+    dy, dfinal = torch.randn_like(x), torch.randn_like(args[6])
+    pad = -x.shape[1] % config.chunk_size
+    state_size = b.shape[3]
+    chunks = g.shape[2] // config.chunk_size
+
+    def reversed_scan():
+        log_decay = a * dt.float()
+        next_decay = torch.zeros_like(log_decay)
+        next_decay[:, :-1] = log_decay[:, 1:]
+        return scan(_reverse(dy, pad), _reverse(c, pad), _reverse(b, pad), _reverse(torch.ones_like(dt.float()), pad),
+                    _reverse(next_decay, pad), dfinal, outputs=False)
+
+    want = reversed_scan()
+    entry, final = walk(dy, c, g, g, dfinal, config.chunk_size, state_tile, head_tile, form, reverse=True)
+    errors = chunk_errors(entry, want[3][0], chunks, state_size)
+    worst = int(errors.nan_to_num(float("inf")).argmax())
+    final_err = rel_err(final, want[1])
+    # operands rounded to bf16 after a weight computed another way: a few last-bit flips
+    ok = bool((errors < 2e-3).all()) and final_err < 2e-3
+    base_ms = median_ms(reversed_scan, reps=20)
+    ms = median_ms(lambda: walk(dy, c, g, g, dfinal, config.chunk_size, state_tile, head_tile, form, poison=False,
+                                reverse=True), reps=20)
+    print(f"{shape} reversed scan: flips + state pass {base_ms:.3f} ms, reverse walk {state_tile} x {head_tile} "
+          f"form {form} {ms:.3f} ms: {'RIGHT' if ok else 'WRONG'} worst chunk {worst} of {chunks}: "
+          f"{errors[worst].item():.1e}, final {final_err:.1e}", flush=True)
+
+
 def backward_with_walk(shape, state_tile, head_tile, form):
     """The whole mamba2_chunk_backward with the walk in place of both scans' state passes (packed
-    sequences keep the state pass): its time and its gradients' difference from the package's."""
+    sequences keep the state pass): its time and its gradients' difference from the package's; and the reversed scan, which today flips dy, b and c
+along the tokens first, runs as a walk from the last chunk on the arrays as they are."""
     import tilegym_mamba2
     from tilegym_mamba2.cutile import scan as scan_module
     from timing import backward_inputs
@@ -171,9 +227,51 @@ def backward_with_walk(shape, state_tile, head_tile, form):
           f"({base_ms - ms:+.3f}); gradients' max rel diff {diff:.1e}", flush=True)
 
 
+def reverse_formulas_on_cpu():
+    """The reverse walk's decays and weights (as the kernel reads them) in float64 on a CPU, against
+    the pytorch reference's reversed scan on flipped inputs: ~1e-15 when they are right."""
+    import math
+
+    from tilegym_mamba2.backward import _reverse
+    from tilegym_mamba2.scan_reference import scan_reference
+
+    f64 = dict(dtype=torch.float64)
+    batch, tokens, heads, head_size, state_size, groups, chunk = 2, 300, 4, 8, 16, 2, 64
+    dt, a = torch.rand(batch, tokens, heads, **f64) * 0.5, -torch.rand(heads, **f64) * 2
+    dy, dfinal = torch.randn(batch, tokens, heads, head_size, **f64), torch.randn(batch, heads, head_size, state_size, **f64)
+    b, c = (torch.randn(batch, tokens, groups, state_size, **f64) for _ in range(2))
+    pad = -tokens % chunk
+    chunks = (tokens + pad) // chunk
+    log_decay = a * dt
+    next_decay = torch.zeros_like(log_decay)
+    next_decay[:, :-1] = log_decay[:, 1:]
+    _, want_final, _, (want, _, _) = scan_reference(
+        _reverse(dy, pad), _reverse(c, pad), _reverse(b, pad), _reverse(torch.ones_like(dt), pad),
+        _reverse(next_decay, pad), dfinal, chunk_size=chunk, dtype=torch.float64, chunk_states=True, outputs=False)
+    laid_out = torch.zeros(batch, heads, chunks * chunk, **f64)
+    laid_out[:, :, :tokens] = log_decay.transpose(1, 2)
+    g = laid_out.view(batch, heads, chunks, chunk).cumsum(-1).view(batch, heads, -1) * math.log2(math.e)
+    dy_p, c_p = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (dy, c))
+    state, entries = dfinal.transpose(-1, -2).clone(), []
+    for step in range(chunks):
+        k = chunks - 1 - step
+        entries.append(state.clone())
+        gk = g[:, :, k * chunk:(k + 1) * chunk]
+        next_first = g[:, :, (k + 1) * chunk] if k + 1 < chunks else torch.zeros(batch, heads, **f64)
+        keep = torch.exp2(gk[..., -1] - gk[..., 0] + next_first)
+        ck = c_p[:, k * chunk:(k + 1) * chunk].repeat_interleave(heads // groups, dim=2)
+        state = state * keep[..., None, None] + torch.einsum(
+            "blhn,bhl,blhp->bhnp", ck, torch.exp2(gk - gk[..., :1]), dy_p[:, k * chunk:(k + 1) * chunk])
+    print(f"reverse walk's formulas in float64: entry states {rel_err(torch.stack(entries, 1), want.transpose(-1, -2)):.1e}, "
+          f"final state {rel_err(state.transpose(-1, -2), want_final):.1e}")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--cpu-check"]:
+        sys.exit(reverse_formulas_on_cpu())
     for text in sys.argv[1:] or SHAPES:
         shape = tuple(int(v) for v in text.split(","))
         right = check_and_time(shape)
         if right:
+            check_reverse(shape, *right[0][1:])
             backward_with_walk(shape, *right[0][1:])
