@@ -73,15 +73,12 @@ eleventh)
   done
   ;;
 next-serving)
-  # For the next session, one GPU, ~3 minutes: causal_conv1d_update's channel tile and occupancy
-  # (run35: 139 us at batch 256 against a 6.4 us floor), then the state update's sweep again at
-  # the batches where it trails mamba_ssm (its plans are now forgotten between variants).
-  timeout "${SWEEP_S:-110}" python3 benchmarks/variants/conv_update_tiles.py 1 64 256 > "$out/conv_update_tiles.log" 2>&1
-  cat "$out/conv_update_tiles.log"
+  # One GPU, ~2 minutes: the state update's sweep again at the batches where it trails mamba_ssm
+  # in CUDA graphs (batch 1: 7.74 against 7.10 us in run38; its plans are now forgotten between
+  # variants). The conv update's sweep that this mode also ran is done (run37, experiment 43).
   timeout "${SWEEP_S:-110}" python3 benchmarks/variants/state_update_tiles.py 1 8 > "$out/state_update_tiles.log" 2>&1
   grep -E "^##|mamba_ssm|as on main" "$out/state_update_tiles.log"
-  ;;
-next)
+  ;;next)
   # For the next session's first call, one GPU, ~9 minutes: what the tenth could not run on its
   # final code. The layer op's fp32 and fp16 cases (dtype1, dtype2) and the comparison with
   # mamba_ssm's gradients side by side, then tilegym's own forward+backward next to ours on the
