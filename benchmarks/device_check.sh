@@ -27,6 +27,9 @@
 #   bash benchmarks/device_check.sh serving 1 GPU, under 4 minutes: bench --serving (the decode and prefill-conv
 #                                           ops against mamba_ssm, causal_conv1d and HF's torch path, and a
 #                                           2-layer HF Mamba-2 patched vs unpatched); serving.json/.png/.log
+#   bash benchmarks/device_check.sh twelfth 1 GPU, ~9 minutes: the next session's first call (experiments 45-47:
+#                                           the chunk-state walk, tilegym's backward timed, the first call's
+#                                           compiles side by side; then the layer op's fp16 cases)
 # e.g. run(command="source .device/setup.sh && bash benchmarks/device_check.sh tests", carry=[".device"])
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
