@@ -43,13 +43,13 @@ twelfth)
   # fp32 seq_idx, cu_seqlens and per_sequence_init cases run36 did not reach).
   timeout "${SWEEP_S:-150}" python3 benchmarks/variants/chunk_states_walk.py > "$out/chunk_states_walk.log" 2>&1
   cat "$out/chunk_states_walk.log"
-  timeout "${BENCH_S:-300}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
+  timeout "${BENCH_S:-240}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
   grep -E "fwd\+bwd|^\||Error|error" "$out/tilegym_backward.log" | cut -c1-300
   for how in "" --parallel; do  # experiment 47: the 2.7B fwd+bwd's first call on empty caches
-    CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) timeout 120 \
+    CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) timeout 60 \
       python3 benchmarks/variants/first_call.py backward $how 2>&1 | tail -3 | cut -c1-600
   done | tee "$out/first_call_backward.log"
-  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "${LIMIT_S:-100}" python3 -m pytest -q -m gpu \
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "${LIMIT_S:-80}" python3 -m pytest -q -m gpu \
     tests/test_backward_gpu.py -k "layer_autograd and dtype2" \
     -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1
   grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$out/gpu_layer.log" | tail -8 | cut -c1-400
