@@ -4,7 +4,7 @@ where the kernels round mma operands; dA's error against float64 autograd of the
 per rounding configuration, over seeds. Cases are test_backward_gpu.py's (on a CPU generator).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/variants/dl_rounding_emulation.py seq_idx 1,2,3 [tokens]
-    (cases: seq_idx, seq_noinit, plain, mixer)
+    (cases: seq_idx, seq_noinit, plain, mixer; `where_dy` for experiment 48)
 """
 import math, sys
 import torch
@@ -25,7 +25,9 @@ def rnd(t, bits):
     return torch.ldexp(torch.round(torch.ldexp(m, torch.full_like(e, bits))), e - bits)
 
 # rounding config: dict with keys 'state' (entry state in from_state), 'grad' (dS in to_grad),
-# 'pass' (b*weight in both state passes), 'dy' (dy to bf16 in the layer, mixer case only)
+# 'pass' (b*weight in both state passes), 'dy' (dy to bf16 in the layer, mixer case only; or, for
+# experiment 48, only where one place uses it: 'dy_scan' the reversed scan's input, 'dy_products'
+# chunk_grads' dy . x products, 'dy_received' its dy . (c S) terms)
 CFG = {}
 
 def entry_states(x, b, weight, log_decay, init, seq_idx):
@@ -53,7 +55,8 @@ def entry_states(x, b, weight, log_decay, init, seq_idx):
 
 def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, outputs=False):
     assert cu_seqlens is None
-    ent, final = entry_states(x, b, weight, log_decay, init, seq_idx)
+    # x is dy in the reversed scan; the forward's x is bf16 already, so rounding it changes nothing
+    ent, final = entry_states(rnd(x, CFG.get('dy_scan')), b, weight, log_decay, init, seq_idx)
     return None, final, None, (ent, weight, log_decay)
 
 def chunk_grads(x, b, c, dy, seq_idx, fwd, rev, skip):
@@ -65,7 +68,8 @@ def chunk_grads(x, b, c, dy, seq_idx, fwd, rev, skip):
     ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)               # grad_t (fp32 in kernel)
     batch, tokens, heads, _ = x.shape
     rep = heads // b.shape[2]
-    xc, dyc = _chunked(x, L, F64), _chunked(dy, L, F64)
+    xc, dyc = _chunked(x, L, F64), _chunked(rnd(dy, CFG.get('dy_products')), L, F64)
+    dyc_received = _chunked(rnd(dy, CFG.get('dy_received')), L, F64)
     bc, cc = _chunked(b.repeat_interleave(rep, 2), L, F64), _chunked(c.repeat_interleave(rep, 2), L, F64)
     w, g = _chunked(weight, L, F64), _chunked(log_decay, L, F64).cumsum(2)
     g_end = g[:, :, -1:]
@@ -85,7 +89,7 @@ def chunk_grads(x, b, c, dy, seq_idx, fwd, rev, skip):
     dl = (before_u * at_or_before).sum(-2).permute(0, 1, 3, 2)
     # from_state = c @ S.astype(bf16); received = into * sum(dy * from_state)
     from_state = torch.einsum("bklhn,bkhpn->bklhp", cc, rnd(entry, CFG.get('state')))
-    received = into * (dyc * from_state).sum(-1)
+    received = into * (dyc_received * from_state).sum(-1)
     dl = dl + received.sum(2, keepdim=True) - received.cumsum(2) + received
     # to_grad = b @ dS.astype(bf16); sent = dt * from_end * sum(x * to_grad)
     to_grad = torch.einsum("bklhn,bkhpn->bklhp", bc, rnd(ends, CFG.get('grad')))
@@ -154,7 +158,33 @@ def emulated_dA(x, dt, A, B, C, kw, dout, cfg):
 def rel(a, r):
     return ((a - r).norm() / r.norm()).item()
 
+def where_dy_rounds(seeds, tokens):
+    """Experiment 48: the mixer case with the state roundings on and the gated dy rounded to bf16
+    in one place at a time, or kept to 16 bits (two bf16 terms) in chunk_grads."""
+    BF, HI_LO = 8, 16
+    base = dict(state=BF, grad=BF, **{'pass': BF})
+    configs = {"dy bf16 everywhere (main)": dict(base, dy=BF),
+               "dy bf16 in the reversed scan only": dict(base, dy_scan=BF),
+               "... and in chunk_grads' products": dict(base, dy_scan=BF, dy_products=BF),
+               "... and in chunk_grads' received terms": dict(base, dy_scan=BF, dy_received=BF),
+               "scan bf16, chunk_grads hi/lo (16 bits)": dict(base, dy_scan=BF, dy_products=HI_LO, dy_received=HI_LO),
+               "no dy rounding": dict(base)}
+    results = {k: [] for k in configs}
+    for seed in seeds:
+        case = make_case("mixer", seed, tokens=tokens)
+        ref = reference_dA(*case)
+        for k, cfg in configs.items():
+            got = emulated_dA(*case, cfg)
+            results[k].append((rel(got, ref), ((got - ref).abs() / ref.abs()).max().item()))
+    print(f"== mixer tokens={tokens} seeds={seeds}: dA rel err, rms / max over seeds, worst single head")
+    for k, v in results.items():
+        rms = (sum(e * e for e, _ in v) / len(v)) ** 0.5
+        print(f"  {k:40s} {rms:.1e} / {max(e for e, _ in v):.1e}   {max(h for _, h in v):.1e}")
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "where_dy":
+        sys.exit(where_dy_rounds([int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]) if len(sys.argv) > 3 else 2048))
     name = sys.argv[1]
     seeds = [int(s) for s in sys.argv[2].split(",")]
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 2048
