@@ -33,6 +33,12 @@
 # e.g. run(command="source .device/setup.sh && bash benchmarks/device_check.sh tests", carry=[".device"])
 set -u
 out=${OUT:-device_logs}; mkdir -p "$out"
+
+test_summaries() {  # each pytest log's failures and its last line
+  for log in "$@"; do
+    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -8 | cut -c1-400
+  done
+}
 case "${1:-tests}" in
 twelfth)
   # For the next session's first call, one GPU, ~9 minutes: the walk's three loop orders checked
@@ -52,7 +58,7 @@ twelfth)
   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_layer.log" timeout -s INT "${LIMIT_S:-80}" python3 -m pytest -q -m gpu \
     tests/test_backward_gpu.py -k "layer_autograd and dtype2" \
     -p no:cacheprovider --tb=short -rfE > "$out/gpu_layer.log" 2>&1
-  grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$out/gpu_layer.log" | tail -8 | cut -c1-400
+  test_summaries "$out/gpu_layer.log"
   ;;
 eleventh)
   # Eleventh session, one GPU, ~7 minutes: causal_conv1d_update's channel tile and occupancy swept
@@ -71,9 +77,7 @@ eleventh)
   timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_serving_gpu.py tests/test_serving_peers_gpu.py \
     -k "conv_update" -p no:cacheprovider --tb=short -rfE > "$out/gpu_conv_update.log" 2>&1 &
   wait
-  for log in "$out"/gpu_*.log; do
-    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -8 | cut -c1-400
-  done
+  test_summaries "$out"/gpu_*.log
   ;;
 next-serving)
   # One GPU, ~2 minutes: the state update's sweep again at the batches where it trails mamba_ssm
@@ -93,9 +97,7 @@ next-serving)
   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_peer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
     tests/test_backward_gpu.py -k "mamba_ssm" -p no:cacheprovider --tb=short -rfE > "$out/gpu_peer.log" 2>&1 &
   wait
-  for log in "$out"/gpu_*.log; do
-    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -8 | cut -c1-400
-  done
+  test_summaries "$out"/gpu_*.log
   cat "$out"/grad_errors_peer.log 2>/dev/null
   timeout "${BENCH_S:-250}" python3 -m tilegym_mamba2 bench --backward --only tilegym \
     --json "$out/backward_tilegym.json" > "$out/backward_tilegym.log" 2>&1
@@ -117,9 +119,7 @@ tenth-verify)
   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_peer.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
     tests/test_backward_gpu.py -k "mamba_ssm" -p no:cacheprovider --tb=short -rfE > "$out/gpu_peer.log" 2>&1 &
   wait
-  for log in "$out"/gpu_*.log; do
-    echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -8 | cut -c1-400
-  done
+  test_summaries "$out"/gpu_*.log
   cat "$out"/grad_errors_replay.log "$out"/grad_errors_peer.log 2>/dev/null | cut -c1-220
   timeout "${BENCH_S:-230}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
     --json "$out/backward.json" > "$out/backward.log" 2>&1
