@@ -27,6 +27,7 @@
 #   bash benchmarks/device_check.sh serving 1 GPU, under 4 minutes: bench --serving (the decode and prefill-conv
 #                                           ops against mamba_ssm, causal_conv1d and HF's torch path, and a
 #                                           2-layer HF Mamba-2 patched vs unpatched); serving.json/.png/.log
+#   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh twelfth 1 GPU, ~9 minutes: the next session's first call (experiments 45-47:
 #                                           the chunk-state walk, tilegym's backward timed, the first call's
 #                                           compiles side by side; then the layer op's fp16 cases)
@@ -40,6 +41,17 @@ test_summaries() {  # each pytest log's failures and its last line
   done
 }
 case "${1:-tests}" in
+walk)
+  # The chunk-state walk in the package (experiment 46's kernel in both of the backward's scans):
+  # its own tests and every backward GPU test, then bench --backward against mamba_ssm.
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors.log" timeout -s INT "${LIMIT_S:-330}" python3 -m pytest -q -m gpu \
+    tests/cutile/test_chunk_states_walk_gpu.py tests/test_backward_gpu.py -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_backward.log" 2>&1
+  test_summaries "$out/gpu_backward.log"
+  timeout "${BENCH_S:-200}" python3 -m tilegym_mamba2 bench --backward --only ${PEERS:-mamba_ssm} \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  tail -12 "$out/backward.log"
+  ;;
 twelfth)
   # For the next session's first call, one GPU, ~9 minutes: the walk's three loop orders checked
   # against the state pass and timed (experiment 46), then tilegym's backward with its search

@@ -312,10 +312,12 @@ def test_backward_kernels_compile_ahead_of_time():
     for layer in (None, "packed", "sequence_states"):
         results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
         names = {name for name, _, _ in results}
-        # The plain op needs only chunk states; the layer op's z needs the forward's outputs.
-        expected = {"segment_states_kernel", "state_scan_kernel", "chunk_grads_kernel"}
+        # The plain op needs only chunk states, both scans' from the walk; the layer op's z needs
+        # the forward's outputs, and its packed sequences the state pass.
+        expected = {"chunk_states_walk_kernel", "chunk_grads_kernel"}
         if layer is not None:
-            expected |= {"compute_out_kernel", "varlen_states_kernel"}
+            expected = {"segment_states_kernel", "state_scan_kernel", "chunk_grads_kernel", "compute_out_kernel",
+                        "varlen_states_kernel"}
         if layer == "sequence_states":
             expected |= {"sequence_init_kernel"}
         assert names == expected, (layer, names)

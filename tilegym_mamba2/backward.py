@@ -17,8 +17,9 @@ Two scans and one chunk-local step give everything that involves a state:
 "Backwards" is the scan on token-reversed inputs (padded at the front to whole chunks) with
 log decay l'_s = l_{T-s} (the decay between a token and the one after it) and 0 where a
 sequence ends, so the gradient of a state enters undecayed and nothing crosses a sequence
-boundary. The cutile backend runs the forward's state pass and cutile/chunk_grads.py; the
-pytorch backend scan_reference and chunk_grads_reference.
+boundary. The cutile backend runs cutile/chunk_states_walk.py (the reversed scan too, on
+unflipped inputs, for one sequence per row; the state pass with packed sequences) and
+cutile/chunk_grads.py; the pytorch backend scan_reference and chunk_grads_reference.
 
 Summing per-token terms over the rest of the sequence gives dl too, the same value in exact
 arithmetic, but one whose terms cancel: 4-20% off with bf16 outputs on the H200, and off in fp32
@@ -74,10 +75,13 @@ def kernels_for(backend, dtype) -> "Kernels":
 
 class Kernels(NamedTuple):
     """What backward.py runs on: a scan that also gives its chunk entry states, and chunk_grads, which makes the gradients from those of the forward
-    and the reversed scan; chunk_size: the chunks of both."""
+    and the reversed scan; chunk_size: the chunks of both. reversed_scan, where a backend has one,
+    runs the scan of dh without flipping the inputs, for one sequence per row:
+    (dy, C, forward chunk states, dfinal_states) -> what scan gives on the flipped inputs."""
     scan: Callable
     chunk_grads: Callable
     chunk_size: int = 64
+    reversed_scan: Callable | None = None
 
 
 def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
@@ -130,26 +134,13 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
             dvarlen_states = x.new_zeros(sequences, *state, dtype=acc)
     y, _, _, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens, outputs=want_y)
 
-    # Backwards in time on token-reversed inputs, padded at the front to whole chunks so that
-    # reversed chunks are the forward's chunks (padding: no input, no decay, no sequence change).
-    pad = -tokens % kernels.chunk_size
-    seq_rev = None if seq_idx is None else _reverse(seq_idx[:, -1:] - seq_idx, pad)
-    cu_rev = None
-    if cu_seqlens is not None:
-        cu_rev = tokens + pad - cu_seqlens.flip(0)
-        cu_rev[0] = 0
-    next_decay = torch.zeros_like(log_decay)
-    next_decay[:, :-1] = log_decay[:, 1:]
-    if seq_idx is not None:
-        next_decay[:, :-1] *= (seq_idx[:, 1:] == seq_idx[:, :-1])[..., None]
-    rev_decay = _reverse(next_decay, pad)
-    ones = _reverse(torch.ones_like(dt), pad)
-    rev_init = _reverse_init(dfinal_states, dvarlen_states)
-    dy_rev, b_rev, c_rev = _reverse(dy, pad), _reverse(B, pad), _reverse(C, pad)
-
     # 2, states only: chunk_grads makes every gradient from the two scans' chunk states. The
     # outputs' varlen states are dh at each sequence's first token (for per-sequence dinit).
-    rev = scan(dy_rev, c_rev, b_rev, ones, rev_decay, rev_init, seq_rev, cu_rev, outputs=per_sequence_init)
+    rev_init = _reverse_init(dfinal_states, dvarlen_states)
+    if kernels.reversed_scan is not None and seq_idx is None and not per_sequence_init:
+        rev = kernels.reversed_scan(dy, C, states, rev_init)
+    else:
+        rev = _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, per_sequence_init)
     dh_first, dh_starts = rev[1], rev[2]
     dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip)
     if per_sequence_init:
@@ -176,6 +167,27 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     elif no_init:
         dinit = None
     return dx, dB, dC, ddt, dA, dinit, (y if want_y else None)
+
+
+def _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, outputs):
+    """The scan of dh, backwards in time: the scan on token-reversed inputs, padded at the front
+    to whole chunks so that reversed chunks are the forward's chunks (padding: no input, no
+    decay, no sequence change)."""
+    tokens = dy.shape[1]
+    pad = -tokens % kernels.chunk_size
+    seq_rev = None if seq_idx is None else _reverse(seq_idx[:, -1:] - seq_idx, pad)
+    cu_rev = None
+    if cu_seqlens is not None:
+        cu_rev = tokens + pad - cu_seqlens.flip(0)
+        cu_rev[0] = 0
+    next_decay = torch.zeros_like(log_decay)
+    next_decay[:, :-1] = log_decay[:, 1:]
+    if seq_idx is not None:
+        next_decay[:, :-1] *= (seq_idx[:, 1:] == seq_idx[:, :-1])[..., None]
+    rev_decay = _reverse(next_decay, pad)
+    ones = _reverse(torch.ones_like(log_decay), pad)
+    return kernels.scan(_reverse(dy, pad), _reverse(C, pad), _reverse(B, pad), ones, rev_decay, rev_init, seq_rev,
+                        cu_rev, outputs=outputs)
 
 
 def input_grad(dxs, dt, dy, skip, dtype):

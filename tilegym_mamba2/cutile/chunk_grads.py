@@ -15,7 +15,7 @@ db instead (the first backward) ran two more passes over every token (experiment
 
 Entry states are stored transposed, [.., chunks * state_size, head_size], as the state pass
 leaves them; the reversed scan's are in reversed chunk order, before its shifted decay (so
-dS = exp2(first reversed decay) * entry).
+dS = exp2(the next chunk's first decay) * entry).
 """
 import cuda.tile as ct
 import torch
@@ -32,8 +32,7 @@ BLOCK_HEADS = 16
 
 
 @ct.kernel(occupancy=1)
-def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum,
-                       seq_idx, d, dx, ddt_input, dl, db, dc, chunk_size: ct.Constant[int],
+def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx, d, dx, ddt_input, dl, db, dc, chunk_size: ct.Constant[int],
                        head_size: ct.Constant[int], state_size: ct.Constant[int], has_seq: ct.Constant[bool],
                        skip_mode: ct.Constant[int], block_heads: int):
     batch_block, chunk = ct.bid(0), ct.bid(1)
@@ -80,8 +79,11 @@ def chunk_grads_kernel(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entr
         dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
         g_end = ct.extract(g, (chunk_size - 1,), (1,))
-        rev_g = ct.load(rev_decay_cumsum, (batch, head, reversed_chunk), (1, 1, chunk_size)).reshape((chunk_size,))
-        into_next = ct.exp2(ct.extract(rev_g, (0,), (1,)))  # the decay into the next chunk's first token
+        # The decay into the next chunk's first token (none after the last chunk). Where a sequence
+        # ends with the chunk, from_end and going_on drop every term it scales.
+        following = ct.load(decay_cumsum, (batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size))
+        next_first = ct.extract(following.reshape((chunk_size,)), (0,), (1,))
+        into_next = ct.exp2(ct.where(chunk + 1 < num_chunks, next_first, 0.0))
 
         decay = ct.exp2(ct.where(same, g[:, None] - g[None, :], never))                  # D_ts
         products = ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
@@ -136,10 +138,9 @@ def block_heads_for(heads_per_group):
     return max(k for k in range(1, min(BLOCK_HEADS, heads_per_group) + 1) if heads_per_group % k == 0)
 
 
-def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum, seq_idx, d,
-                chunk_size):
+def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx, d, chunk_size):
     """x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
-    dt_bht, decay_cumsum, rev_decay_cumsum [batch, heads, chunks * chunk_size];
+    dt_bht, decay_cumsum [batch, heads, chunks * chunk_size];
     entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
     seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None
     -> (dx like x, ddt_input = x . dh b and dl [batch, heads, chunks * chunk_size] fp32 (stored along
@@ -157,7 +158,7 @@ def chunk_grads(x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_state
     db, dc = (new_output(batch, tokens, blocks, state_size, dtype=torch.float32, device=x.device) for _ in range(2))
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
     launch((batch * blocks, padded // chunk_size), chunk_grads_kernel,
-           (x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states, rev_decay_cumsum,
+           (x, b, c, dy, dt_bht, decay_cumsum, entry_states, rev_entry_states,
             dl if seq_idx is None else seq_idx, dl if d is None else d, dx, ddt_input, dl, db, dc, chunk_size,
             head_size, state_size, seq_idx is not None, skip_mode, block_heads))
     return dx, ddt_input, dl, db, dc
