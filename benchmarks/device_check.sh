@@ -28,6 +28,8 @@
 #                                           ops against mamba_ssm, causal_conv1d and HF's torch path, and a
 #                                           2-layer HF Mamba-2 patched vs unpatched); serving.json/.png/.log
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
+#   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
+#                                           gradients after the dy split, then tilegym's backward next to ours
 #   bash benchmarks/device_check.sh twelfth 1 GPU, ~9 minutes: the next session's first call (experiments 45-47:
 #                                           the chunk-state walk, tilegym's backward timed, the first call's
 #                                           compiles side by side; then the layer op's fp16 cases)
@@ -41,6 +43,23 @@ test_summaries() {  # each pytest log's failures and its last line
   done
 }
 case "${1:-tests}" in
+split)
+  # The gated dy as two terms in chunk_grads (experiment 48): the layer op's backward tests (two
+  # processes side by side: compiling is CPU-bound) and mamba_ssm's gradients next to ours, then
+  # tilegym's backward timed next to ours (experiment 45's script, now with the walk).
+  limit=${LIMIT_S:-270}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_a.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "mamba_ssm or compile or 512 or (layer_autograd and dtype0)" \
+    -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_a.log" 2>&1 &
+  first=$!
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_b.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "layer_autograd and (dtype1 or dtype2)" \
+    -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_b.log" 2>&1
+  wait "$first"
+  test_summaries "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
+  timeout "${BENCH_S:-240}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
+  grep -E "fwd\+bwd|^\||Error|error" "$out/tilegym_backward.log" | cut -c1-300
+  ;;
 walk)
   # The chunk-state walk in the package (experiment 46's kernel in both of the backward's scans):
   # its own tests and every backward GPU test, then bench --backward against mamba_ssm.

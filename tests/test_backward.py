@@ -434,3 +434,34 @@ def test_chunk_entry_states_are_the_token_states(seq):
     seq_idx = None if seq is None else torch.tensor(seq)
     got = chunk_entry_states(x, b, w, l, init, seq_idx, 8, F64)
     assert torch.allclose(got, _chunk_entry_states(x, b, w, l, init, seq_idx, None, 8), rtol=1e-12, atol=1e-12)
+
+
+def test_gated_dy_keeps_what_its_rounding_left_out():
+    """With z, dy = dout * z * sigmoid(z) * ... is not a bf16 number: chunk_grads gets it as two
+    bf16 terms (experiment 48). On the pytorch backend, in fp32, dA's error against float64 with
+    the second term and without it (it was 2-10x larger without)."""
+    from tilegym_mamba2.backward import Kernels
+    from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
+
+    kernels = pytorch_kernels(torch.float32)
+    high_only = Kernels(kernels.scan, lambda *args: kernels.chunk_grads(*args[:8]), kernels.chunk_size)
+    errors = {"split": [], "high only": []}
+    for seed in (1, 2, 3):
+        g = torch.Generator().manual_seed(seed)
+        def randn(*shape):
+            return torch.randn(*shape, generator=g)
+        bf = torch.bfloat16
+        x = torch.nn.functional.silu(randn(1, 512, 4, 32)).to(bf)
+        B, C = (torch.nn.functional.silu(randn(1, 512, 1, 32)).to(bf) for _ in range(2))
+        A, dt, dt_bias = -(1 + 15 * torch.rand(4, generator=g)), (randn(1, 512, 4) - 2).to(bf), randn(4) - 1
+        z, D, dout = randn(1, 512, 4, 32).to(bf), randn(4), randn(1, 512, 4, 32).to(bf)
+        leaf = A.double().requires_grad_()
+        out = chunked_layer_reference(x.double(), process_dt(dt.double(), dt_bias.double(), True, dtype=F64), leaf,
+                                      B.double(), C.double(), D.double(), z.double(), None, None, None,
+                                      chunk_size=64)[0]
+        want = torch.autograd.grad((out * dout.double()).sum(), leaf)[0]
+        saved = ScanCombinedArgs(x, dt, A, B, C, 64, D, z, dt_bias, None, None, None, True, (0.0, INF), False, False)
+        for name, ks in (("split", kernels), ("high only", high_only)):
+            errors[name].append(rel(layer_backward(ks, saved, dout)[2], want))
+    assert max(errors["split"]) < 1e-3, errors
+    assert sum(errors["split"]) < 0.5 * sum(errors["high only"]), errors

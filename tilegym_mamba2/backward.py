@@ -86,7 +86,9 @@ class Kernels(NamedTuple):
 
 def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
     """The pytorch backend's: scan_reference and chunk_grads_reference in ``dtype``."""
-    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip):
+    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip, dy_low=None):
+        if dy_low is not None:
+            dy = dy.to(dtype) + dy_low.to(dtype)
         entry, weight, log_decay = forward_states
         rev_entry, _, rev_decay = reverse_states
         chunks = entry.shape[1]
@@ -102,12 +104,14 @@ def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
 
 
 def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None, seq_idx=None, cu_seqlens=None,
-                  dfinal_states=None, dvarlen_states=None, want_y=False):
+                  dfinal_states=None, dvarlen_states=None, want_y=False, dy_low=None):
     """Gradients of (y, final_states, varlen_states) = scan(x, B, C, dt, A * dt, initial_states, ...).
 
     dt is the processed dt [batch, tokens, heads]; dy [batch, tokens, heads, head_size] in x's
     dtype; dfinal_states [batch, heads, head_size, state_size], dvarlen_states
-    [num_sequences, ...] or None.
+    [num_sequences, ...] or None. dy_low (like dy, or None): what rounding dy to x's dtype left
+    out, which chunk_grads adds back where dy meets x and the states (the reversed scan takes dy
+    alone: experiment 48 found its rounding harmless).
     -> (dx, dB, dC, ddt, dA, dinitial_states or None, y or None): dx = dt_t dh_t b_t + skip * dy_t
     in x's dtype (skip [heads, 1] or [heads, head_size], or None), the rest in the accumulation
     dtype (fp32, or fp64 for fp64 inputs); y (the forward's) when ``want_y``."""
@@ -142,10 +146,10 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     else:
         rev = _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, per_sequence_init)
     dh_first, dh_starts = rev[1], rev[2]
-    dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip)
+    dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip, dy_low)
     if per_sequence_init:
-        edges = sequence_edge_terms(x, B, C, dy, dt, log_decay, cu_seqlens, seq_idx, initial_states,
-                                    rev_init.flip(0))
+        edges = sequence_edge_terms(x, B, C, dy if dy_low is None else dy.to(acc) + dy_low.to(acc), dt, log_decay,
+                                    cu_seqlens, seq_idx, initial_states, rev_init.flip(0))
         dx = torch.addcmul(dx.to(acc), edges.dxs, dt[..., None]).to(x.dtype)
         ddt_input = ddt_input + (x.to(acc) * edges.dxs).sum(-1)
         dl, dB, dC = dl + edges.dl, dB + edges.db, dC + edges.dc
@@ -327,9 +331,14 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
         dD = (dy * xs).sum((0, 1))
         dD = (dD.sum(-1) if D.ndim == 1 else dD).to(D.dtype)
 
+    # The gated dy is no longer x's dtype: rounded to it for the mma operands, it moved the mixer's
+    # dA 1.5e-3 off float64 against mamba_ssm's 4.7e-4 (experiment 48); the rest goes along.
+    dy_high = dy.to(x.dtype)
+    dy_low = (dy - dy_high.to(acc)).to(x.dtype) if z is not None and x.dtype != acc else None
     dx, dB, dC, ddt, dA, dinit, y = scan_backward(
-        kernels, x, A, B, C, dt, dy.to(x.dtype), skip, initial_states=initial_states, seq_idx=seq_idx,
-        cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None)
+        kernels, x, A, B, C, dt, dy_high, skip, initial_states=initial_states, seq_idx=seq_idx,
+        cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None,
+        dy_low=dy_low)
     dz = None
     if z is not None:
         pre_gate = y.to(acc) if skip is None else y.to(acc) + skip * xs

@@ -59,7 +59,7 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, o
     ent, final = entry_states(rnd(x, CFG.get('dy_scan')), b, weight, log_decay, init, seq_idx)
     return None, final, None, (ent, weight, log_decay)
 
-def chunk_grads(x, b, c, dy, seq_idx, fwd, rev, skip):
+def chunk_grads(x, b, c, dy, seq_idx, fwd, rev, skip, dy_low=None):  # dy_low: the CFG's roundings stand in
     """The kernel's dl formulas, vectorised over batch, chunk, head."""
     entry, weight, log_decay = fwd
     rev_entry, _, rev_decay = rev
