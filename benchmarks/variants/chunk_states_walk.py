@@ -1,5 +1,8 @@
 """Experiment 46 (GPU): every chunk's entry state from one walk over the chunks, for the backward.
 
+The record of run39's comparison: its FRESH form, at the tiles run39 chose, is the package's
+kernel since (tilegym_mamba2/cutile/chunk_states_walk.py); this script keeps the three forms.
+
 The backward runs the forward's state pass at one chunk per segment (segment_states, then
 state_scan): per chunk it writes a local state, reads it back and writes the entry state, three
 fp32 tiles, 1.5 ms of the 2.7B layer's 4.2 ms backward (run29's profile). A walk keeps the state
