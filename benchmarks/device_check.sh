@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh thirteenth 1 GPU, ~7 minutes: the backward tests left from the twelfth session,
+#                                           then which kernels the 2.7B call compiles after the source config's
 #   bash benchmarks/device_check.sh twelfth 1 GPU, ~9 minutes: the next session's first call (experiments 45-47:
 #                                           the chunk-state walk, tilegym's backward timed, the first call's
 #                                           compiles side by side; then the layer op's fp16 cases)
@@ -43,6 +45,25 @@ test_summaries() {  # each pytest log's failures and its last line
   done
 }
 case "${1:-tests}" in
+thirteenth)
+  # The next session's first call, one GPU, ~7 minutes: the backward GPU tests that never ran on
+  # the twelfth session's final code (two processes side by side: compiling is CPU-bound), then
+  # which kernels the 2.7B call compiles after the source config's (experiment 47's result).
+  # Then, alone in a second call: BENCH_S=300 python3 benchmarks/variants/tilegym_backward.py.
+  limit=${LIMIT_S:-300}
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_a.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -p no:cacheprovider --tb=short -rfE \
+    -k "mamba_ssm or compile or state_512 or (layer_autograd and dtype1 and (seq_idx or cu_seqlens or per_sequence))" \
+    > "$out/gpu_backward_a.log" 2>&1 &
+  first=$!
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_b.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "layer_autograd and dtype2" -p no:cacheprovider --tb=short -rfE \
+    > "$out/gpu_backward_b.log" 2>&1
+  wait "$first"
+  test_summaries "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
+  CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) timeout 90 \
+    python3 benchmarks/variants/first_call.py second_shape 2>&1 | tail -2 | cut -c1-800 | tee "$out/first_call_second_shape.log"
+  ;;
 split)
   # The gated dy as two terms in chunk_grads (experiment 48): the layer op's backward tests (two
   # processes side by side: compiling is CPU-bound) and mamba_ssm's gradients next to ours, then
