@@ -44,6 +44,10 @@ test_summaries() {  # each pytest log's failures and its last line
     echo "== $log"; grep -E "^(FAILED|ERROR)|^E  |passed|failed|Interrupt" "$log" | tail -8 | cut -c1-400
   done
 }
+backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EXPR to gpu_backward_NAME.log, under $limit
+  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_$1.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
+    tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
+}
 case "${1:-tests}" in
 thirteenth)
   # The next session's first call, one GPU, ~7 minutes: the backward GPU tests that never ran on
@@ -51,14 +55,9 @@ thirteenth)
   # which kernels the 2.7B call compiles after the source config's (experiment 47's result).
   # Then, alone in a second call: BENCH_S=300 python3 benchmarks/variants/tilegym_backward.py.
   limit=${LIMIT_S:-300}
-  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_a.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
-    tests/test_backward_gpu.py -p no:cacheprovider --tb=short -rfE \
-    -k "mamba_ssm or compile or state_512 or (layer_autograd and dtype1 and (seq_idx or cu_seqlens or per_sequence))" \
-    > "$out/gpu_backward_a.log" 2>&1 &
+  backward_tests a "mamba_ssm or compile or state_512 or (layer_autograd and dtype1 and (seq_idx or cu_seqlens or per_sequence))" &
   first=$!
-  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_b.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
-    tests/test_backward_gpu.py -k "layer_autograd and dtype2" -p no:cacheprovider --tb=short -rfE \
-    > "$out/gpu_backward_b.log" 2>&1
+  backward_tests b "layer_autograd and dtype2"
   wait "$first"
   test_summaries "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
   CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) timeout 90 \
@@ -69,13 +68,9 @@ split)
   # processes side by side: compiling is CPU-bound) and mamba_ssm's gradients next to ours, then
   # tilegym's backward timed next to ours (experiment 45's script, now with the walk).
   limit=${LIMIT_S:-270}
-  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_a.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
-    tests/test_backward_gpu.py -k "mamba_ssm or compile or 512 or (layer_autograd and dtype0)" \
-    -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_a.log" 2>&1 &
+  backward_tests a "mamba_ssm or compile or 512 or (layer_autograd and dtype0)" &
   first=$!
-  TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_b.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
-    tests/test_backward_gpu.py -k "layer_autograd and (dtype1 or dtype2)" \
-    -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_b.log" 2>&1
+  backward_tests b "layer_autograd and (dtype1 or dtype2)"
   wait "$first"
   test_summaries "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
   timeout "${BENCH_S:-240}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
