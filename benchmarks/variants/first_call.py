@@ -2,7 +2,7 @@
 compilation included; issue 13: a backward's at most 10 s), and optionally where it goes.
 
     CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) \
-        python3 benchmarks/variants/first_call.py plain|layer|unseen|backward|second_shape [--profile] [--parallel]
+        python3 benchmarks/variants/first_call.py plain|layer|unseen|backward|second_shape [--profile] [--serial]
 
 plain: the source config through mamba2_chunk_forward; layer: the layer bench's 2.7B case with
 every option on; unseen: a shape no run has tuned (with the cuTile disk cache of an earlier
@@ -10,16 +10,12 @@ process, this is a user's new shape); backward: mamba2_chunk_forward then mamba2
 on the 2.7B layer's shape, as `bench --backward` times it. Empty cache directories make the call
 cold: cuTile keeps compiled kernels on disk (~/.cache/cutile-python) and we keep tuned choices.
 second_shape: backward's call on the 2.7B layer after the same call on the source config in
-this process (run40: 12.1 s; which kernels compile again, experiment 47's result).
+this process (run43: all 7 kernels compile again, 17.7 s).
 
---parallel (experiment 47): before the call, its launches are recorded (the heuristic config's:
-the tuner's segment lengths share kernels) and their kernels compiled side by side into the disk
-cache, with the signatures a launch would derive from these very tensors; tileiras runs as a
-subprocess, so threads overlap. The call's own compiles should then all be disk-cache hits.
+--serial: compiling ahead off (cutile/compile_ahead.py, experiment 49), so each kernel compiles as
+the call reaches it, as before. In the backward modes the forward and the backward are timed apart.
 """
 import cProfile
-import io
-import os
 import pstats
 import sys
 import time
@@ -59,45 +55,14 @@ tile_compile.compile_tile = lambda function, *a, **k: compiled.append(function.p
     function, *a, **k)
 
 
-def record_launches(mode, inputs):
-    """The (kernel, args) the call would launch, with nothing run."""
-    from tilegym_mamba2.backward import chunk_backward
-    from tilegym_mamba2.cutile import run_stages
-    from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.cutile.scan import KERNELS
-    from tilegym_mamba2.cutile.tuning import choose_config
-    from tilegym_mamba2.validation import check_forward_args
-
-    x, a, b, c, d, dt, init, chunk_size = check_forward_args(**inputs, backend="cutile")
-    config = choose_config(*x.shape[:2], b.shape[2], x.shape[2], x.shape[3], b.shape[3], chunk_size, x.device)
-    with recording_launches() as launches:
-        run_stages(x, a, b, c, d, dt, init, chunk_size, config)
-        if mode in ("backward", "second_shape"):
-            chunk_backward(KERNELS, x, a, b, c, d, dt, init, torch.empty_like(x), torch.empty_like(init))
-    return launches
-
-
-def compile_side_by_side(launches):
-    """Each distinct (kernel, signature) compiled once, all at the same time, into the disk cache."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from cuda.tile.compilation import CallingConvention, KernelSignature, export_kernel
-
-    jobs = {}
-    for kernel, args in launches:
-        signature = KernelSignature.from_kernel_args(kernel, args, CallingConvention.cutile_python_v1())
-        jobs.setdefault((id(kernel), repr(signature)), (kernel, signature))
-    gpu_code = "sm_{}{}".format(*torch.cuda.get_device_capability())
-
-    def build(job):
-        export_kernel(job[0], [job[1]], io.BytesIO(), gpu_code=gpu_code, output_format="cubin")
-
-    with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1)) as pool:
-        list(pool.map(build, jobs.values()))
-    return len(jobs)
+if "--serial" in sys.argv:
+    import tilegym_mamba2.cutile as cutile
+    import tilegym_mamba2.cutile.compile_ahead as compile_ahead
+    cutile.compile_side_by_side = compile_ahead.compile_side_by_side = lambda launches: 0
 
 
 mode = sys.argv[1]
+forward_seconds = []
 if mode == "layer":
     args, _ = layer_inputs(LAYER_CASES[0])
     op = lambda: tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=256, backend="cutile")  # noqa: E731
@@ -108,25 +73,23 @@ else:
         if not backward:
             return inputs, lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs)
         dout, dfinal = torch.randn_like(inputs["x"]), torch.randn_like(inputs["init_state"])
-        return inputs, lambda: (tilegym_mamba2.mamba2_chunk_forward(**inputs),
-                                tilegym_mamba2.mamba2_chunk_backward(**inputs, dout=dout, dfinal_state=dfinal))
+
+        def forward_then_backward():
+            begin = time.perf_counter()
+            tilegym_mamba2.mamba2_chunk_forward(**inputs)
+            torch.cuda.synchronize()
+            forward_seconds.append(time.perf_counter() - begin)
+            tilegym_mamba2.mamba2_chunk_backward(**inputs, dout=dout, dfinal_state=dfinal)
+        return inputs, forward_then_backward
 
     if mode == "second_shape":
         shape_op((4, 16384, 1, 8, 128, 64), True)[1]()
         torch.cuda.synchronize()
-        compiles.clear(), tileiras_runs.clear(), compiled.clear()
+        compiles.clear(), tileiras_runs.clear(), compiled.clear(), forward_seconds.clear()
     shape = {"plain": (4, 16384, 1, 8, 128, 64), "backward": (2, 8192, 1, 80, 128, 64),
              "second_shape": (2, 8192, 1, 80, 128, 64)}.get(mode, (3, 12000, 1, 24, 128, 64))
     inputs, op = shape_op(shape, mode in ("backward", "second_shape"))
 torch.cuda.synchronize()
-ahead = ""
-if "--parallel" in sys.argv:
-    if mode == "layer":
-        sys.exit("--parallel: the plain op's modes only")
-    start = time.perf_counter()
-    kernels = compile_side_by_side(record_launches(mode, inputs))
-    ahead = f"{kernels} kernels compiled side by side in {time.perf_counter() - start:.2f} s, then "
-    compiles.clear(), tileiras_runs.clear(), compiled.clear()
 
 
 def call():
@@ -140,9 +103,10 @@ profile.runcall(call) if profile else call()
 first = time.perf_counter() - start
 start = time.perf_counter()
 call()
-print(f"{mode}: import {imported:.2f} s, {ahead}first call {first:.2f} s, second call {time.perf_counter() - start:.4f} s; "
+split = f" (forward {forward_seconds[0]:.2f} s, backward {first - forward_seconds[0]:.2f} s)" if forward_seconds else ""
+print(f"{mode}{' --serial' * ('--serial' in sys.argv)}: import {imported:.2f} s, first call {first:.2f} s{split}, second call {time.perf_counter() - start:.4f} s; "
       f"{len(compiles)} kernel compiles took {sum(compiles):.2f} s, {len(tileiras_runs)} of them ran tileiras "
-      f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
+      f"({sum(tileiras_runs):.2f} s; side by side, these sums exceed the wall time), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
 if profile:
     stats = pstats.Stats(profile)
     stats.sort_stats("cumulative").print_stats(30)
