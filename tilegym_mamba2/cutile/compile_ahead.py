@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .launch import recording_launches
+from .launch import recording, recording_launches
 from .tuning import capturing
 
 _one_at_a_time = threading.Lock()  # the tileiras wrapper below is installed by one caller at a time
@@ -34,7 +34,7 @@ def compiled_ahead(key, run):
     """run(); the first time ``key`` (plan.signature of the call) is seen, its kernels are first
     compiled side by side. A key of None (arguments a signature cannot hold) compiles as it goes.
     The forward ops do the same for their first call of a shape in cutile.config_for."""
-    if key is not None and key not in _seen and not capturing():
+    if key is not None and key not in _seen and not capturing() and not recording():
         with recording_launches() as launches:
             run()
         compile_side_by_side(launches)
@@ -53,16 +53,16 @@ def compile_side_by_side(launches) -> int:
         lock._release_save, lock._acquire_restore  # noqa: B018 (the RLock internals used below)
     except (ImportError, AttributeError):
         return 0
-    if default_tile_context.config.cache_dir is None:
-        return 0
+    tensors = [a for _, args in launches for a in args if isinstance(a, torch.Tensor)]
+    if default_tile_context.config.cache_dir is None or not tensors or not tensors[0].is_cuda or recording():
+        return 0  # no disk cache to meet in, a CPU run, or an outer recording (nothing will launch)
     jobs = {}
     for kernel, args in launches:
         signature = KernelSignature.from_kernel_args(kernel, args, CallingConvention.cutile_python_v1())
         jobs.setdefault((id(kernel), repr(signature)), (kernel, signature))
     if len(jobs) < 2:
         return 0
-    device = next(a for _, args in launches for a in args if isinstance(a, torch.Tensor)).device
-    capability = torch.cuda.get_device_capability(device)
+    capability = torch.cuda.get_device_capability(tensors[0].device)
 
     def tileiras_unlocked(*args, **kwargs):
         state = lock._release_save() if lock._is_owned() else None
