@@ -30,9 +30,9 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
-#   bash benchmarks/device_check.sh ahead   1 GPU, ~8 minutes: cold first calls with and without compiling ahead
-#                                           (experiment 49), its GPU test, then the backward tests next to mamba_ssm
-#                                           and the plain op's, the compile and state 512 tests, the layer op's bf16 ones
+#   bash benchmarks/device_check.sh final13 1 GPU, ~9 minutes: the autograd+compile and state-512 tests, a cold
+#                                           2.7B first call (forward and backward timed apart), then tilegym's
+#                                           backward next to ours (BENCH_S seconds)
 #   bash benchmarks/device_check.sh thirteenth 1 GPU, ~7 minutes: the backward tests left from the twelfth session,
 #                                           then which kernels the 2.7B call compiles after the source config's
 #   bash benchmarks/device_check.sh twelfth 1 GPU, ~9 minutes: the next session's first call (experiments 45-47:
@@ -51,26 +51,17 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_$1.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
-first_calls() {  # first_calls ARGS...: each first_call.py run on empty caches, one line each to first_calls.log
-  for args in "$@"; do
-    CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) timeout 150 \
-      python3 benchmarks/variants/first_call.py $args 2>&1 | tail -1 | cut -c1-900 | tee -a "$out/first_calls.log"
-  done
-}
 case "${1:-tests}" in
-ahead)
-  # Compiling ahead (experiment 49): cold first calls one by one (--serial) and side by side, the
-  # 2.7B after the source config; its GPU test; then the backward tests not yet run on the final
-  # code, mamba_ssm's comparison alone in one process (its Triton autotune is long).
-  first_calls "backward --serial" backward second_shape
-  python3 -m pytest -q -m gpu tests/cutile/test_compile_ahead_gpu.py -p no:cacheprovider --tb=short -rfE \
-    > "$out/gpu_compile_ahead.log" 2>&1
-  limit=${LIMIT_S:-360}
-  backward_tests a "mamba_ssm" &
-  first=$!
-  backward_tests b "compile or state_512 or chunk_backward_matches or (layer_autograd and dtype0)"
-  wait "$first"
-  test_summaries "$out"/gpu_compile_ahead.log "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
+final13)
+  # The thirteenth session's last call: the two backward tests not yet run on its code, the cold
+  # first call of the 2.7B layer on empty caches, then tilegym's backward timed next to ours.
+  limit=${LIMIT_S:-180}
+  backward_tests c "compile or state_512"
+  test_summaries "$out"/gpu_backward_c.log
+  CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) timeout 120 \
+    python3 benchmarks/variants/first_call.py backward 2>&1 | tail -1 | cut -c1-800 | tee "$out/first_call_backward.log"
+  timeout "${BENCH_S:-320}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
+  grep -E "fwd\+bwd|^\||Error|error" "$out/tilegym_backward.log" | cut -c1-300
   ;;
 thirteenth)
   # The next session's first call, one GPU, ~7 minutes: the backward GPU tests that never ran on

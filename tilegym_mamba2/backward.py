@@ -30,6 +30,7 @@ A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens, 
 returns (y or None, final_states, varlen_states or None, chunk states); init is
 [batch, ...] or, with cu_seqlens, [num_sequences, ...].
 """
+import contextlib
 import functools
 from typing import Callable, NamedTuple
 
@@ -55,14 +56,12 @@ def scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, 
     dC, dD, dz, ddt_bias, dinitial_states), None where the input is None."""
     saved = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                      dt_softplus, dt_limit, True, dvarlen_states is not None, backend=backend)
-    kernels = kernels_for(backend, x.dtype)
-    if backend != "cutile":
-        return layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states)
-    from .cutile import compile_errors_explained, plan
-    from .cutile.compile_ahead import compiled_ahead
-    key = plan.signature("layer_backward", dout, dfinal_states, dvarlen_states, *saved)
+    if backend == "cutile":
+        from .cutile import compile_errors_explained
+    else:
+        compile_errors_explained = contextlib.nullcontext
     with compile_errors_explained():
-        return compiled_ahead(key, lambda: layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states))
+        return layer_backward(kernels_for(backend, x.dtype), saved, dout, dfinal_states, dvarlen_states)
 
 
 def kernels_for(backend, dtype) -> "Kernels":

@@ -2,7 +2,7 @@
 compilation included; issue 13: a backward's at most 10 s), and optionally where it goes.
 
     CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) \
-        python3 benchmarks/variants/first_call.py plain|layer|unseen|backward|second_shape [--profile] [--serial]
+        python3 benchmarks/variants/first_call.py plain|layer|unseen|backward|second_shape [--profile]
 
 plain: the source config through mamba2_chunk_forward; layer: the layer bench's 2.7B case with
 every option on; unseen: a shape no run has tuned (with the cuTile disk cache of an earlier
@@ -12,8 +12,8 @@ cold: cuTile keeps compiled kernels on disk (~/.cache/cutile-python) and we keep
 second_shape: backward's call on the 2.7B layer after the same call on the source config in
 this process (run43: all 7 kernels compile again, 17.7 s).
 
---serial: compiling ahead off (cutile/compile_ahead.py, experiment 49), so each kernel compiles as
-the call reaches it, as before. In the backward modes the forward and the backward are timed apart.
+In the backward modes the forward and the backward are timed apart. Experiment 49 (compiling the
+call's kernels side by side first, in threads) made a cold first call slower; see NOTES.md.
 """
 import cProfile
 import pstats
@@ -53,12 +53,6 @@ timed(tile_compile, "compile_cubin", tileiras_runs)
 inner_compile = tile_compile.compile_tile
 tile_compile.compile_tile = lambda function, *a, **k: compiled.append(function.pyfunc.__name__) or inner_compile(
     function, *a, **k)
-
-
-if "--serial" in sys.argv:
-    import tilegym_mamba2.cutile as cutile
-    import tilegym_mamba2.cutile.compile_ahead as compile_ahead
-    cutile.compile_side_by_side = compile_ahead.compile_side_by_side = lambda launches: 0
 
 
 mode = sys.argv[1]
@@ -104,9 +98,9 @@ first = time.perf_counter() - start
 start = time.perf_counter()
 call()
 split = f" (forward {forward_seconds[0]:.2f} s, backward {first - forward_seconds[0]:.2f} s)" if forward_seconds else ""
-print(f"{mode}{' --serial' * ('--serial' in sys.argv)}: import {imported:.2f} s, first call {first:.2f} s{split}, second call {time.perf_counter() - start:.4f} s; "
+print(f"{mode}: import {imported:.2f} s, first call {first:.2f} s{split}, second call {time.perf_counter() - start:.4f} s; "
       f"{len(compiles)} kernel compiles took {sum(compiles):.2f} s, {len(tileiras_runs)} of them ran tileiras "
-      f"({sum(tileiras_runs):.2f} s; side by side, these sums exceed the wall time), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
+      f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
 if profile:
     stats = pstats.Stats(profile)
     stats.sort_stats("cumulative").print_stats(30)

@@ -17,9 +17,8 @@ from . import plan
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
-from .compile_ahead import compile_side_by_side
-from .launch import new_output, recording_launches
-from .tuning import (Config, bucket_key, capturing, choose_config, segment_count, tuned_config, tuning_switches,
+from .launch import new_output
+from .tuning import (Config, bucket_key, choose_config, segment_count, tuned_config, tuning_switches,
                      whole_row_chunks)
 
 
@@ -147,10 +146,6 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
             d = torch.zeros(heads, device=x.device)
         args = (x, a, b, c, d, dt, init_state, chunk_size)
         run_candidate = lambda config: run_stages(*args, config=config)  # noqa: E731
-    if not capturing():  # a new shape: its kernels compile side by side, not one by one as the tuner runs them
-        with recording_launches() as launches:
-            run_candidate(base)
-        compile_side_by_side(launches)
     config = tuned_config(key, base, lambda config: _milliseconds(lambda: run_candidate(config)), tune=tune,
                           whole_row=whole_row)
     plan.remember(memo_key, config)  # not during capture: there the heuristic stands in

@@ -3,8 +3,7 @@ import torch
 
 from ..backward import chunk_backward
 from ..validation import check_backward_args
-from . import MAX_STATE, compile_errors_explained, plan
-from .compile_ahead import compiled_ahead
+from . import MAX_STATE, compile_errors_explained
 from .scan import KERNELS
 
 
@@ -13,11 +12,10 @@ def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None
     """See tilegym_mamba2.mamba2_chunk_backward. ``state_dtype`` is accepted for tilegym's call;
     states stay fp32."""
     args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="cutile")
-    key = plan.signature("backward", *args)
     with compile_errors_explained():
         if b.shape[3] <= MAX_STATE:
-            return compiled_ahead(key, lambda: chunk_backward(KERNELS, *args[:-1]))
-        return compiled_ahead(key, lambda: _split_state_backward(*args[:-1]))
+            return chunk_backward(KERNELS, *args[:-1])
+        return _split_state_backward(*args[:-1])
 
 
 def _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state):

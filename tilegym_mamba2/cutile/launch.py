@@ -38,11 +38,6 @@ def new_output(*shape, dtype, device):
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
-def recording() -> bool:
-    """Whether launches are being recorded (nothing runs)."""
-    return _recording is not None
-
-
 @contextlib.contextmanager
 def recording_launches():
     """Collects (kernel, args) for every launch inside the block; nothing runs."""
