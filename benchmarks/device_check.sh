@@ -30,6 +30,9 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh fourteenth 1 GPU, ~8 minutes: experiment 51's eager autograd on the GPU: the
+#                                           autograd tests (plain op eager + compiled, layer op bf16 and fp32,
+#                                           next to mamba_ssm), then host against GPU time per training step
 #   bash benchmarks/device_check.sh final13 1 GPU, ~9 minutes: the autograd+compile and state-512 tests, a cold
 #                                           2.7B first call (forward and backward timed apart), then tilegym's
 #                                           backward next to ours (BENCH_S seconds)
@@ -52,6 +55,20 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
 case "${1:-tests}" in
+fourteenth)
+  # The next session's first call: experiment 51 (eager autograd through torch.autograd.Function)
+  # never ran on a GPU. Its tests in two processes side by side (mamba_ssm's Triton autotune is
+  # long), then the host and GPU time of a training step (experiment 50's script), whose
+  # autograd rows should drop from 1.86 / 2.51 ms of host time towards the plain ops' 0.92 / 1.43.
+  limit=${LIMIT_S:-330}
+  backward_tests a "mamba_ssm or compile" &
+  first=$!
+  backward_tests b "layer_autograd and (dtype0 or dtype1)"
+  wait "$first"
+  test_summaries "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
+  timeout 150 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_backward.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_backward.log" | cut -c1-200
+  ;;
 final13)
   # The thirteenth session's last call: the two backward tests not yet run on its code, the cold
   # first call of the 2.7B layer on empty caches, then tilegym's backward timed next to ours.

@@ -6,10 +6,17 @@ inference keeps its host path. The custom op's implementation calls the same ent
 again (autograd is off inside it), which checks the arguments, so errors are raised at run
 time under torch.compile too. Gradients come from backward.py on the same backend.
 
+Eager calls go through a torch.autograd.Function with the same forward, setup and gradients
+instead: a custom op's dispatch costs host time on every call (on a CPU, with launches recorded,
+forward + backward of the plain op 491 us through the custom ops, 341 through the Function, 203
+without autograd), and on the H200 the source config's autograd step was host-bound
+(benchmarks/NOTES.md, experiments 50 and 51). Only torch.compile needs the custom ops.
+
 varlen_states are differentiable too (mamba_ssm refuses a backward with them).
 """
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .layer_reference import _returns
 from .registry import implementation
@@ -24,12 +31,39 @@ def wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
+# --- the backends, called by the custom ops and the eager Functions alike -----------------
+
+def _run_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend):
+    return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
+
+
+def _run_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend):
+    return implementation("mamba2_chunk_backward", backend)(x, a, b, c, d, dt, init_state, dout, dfinal_state,
+                                                            chunk_size)
+
+
+def _run_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                       dt_low, dt_high, return_varlen_states, backend):
+    """-> (out, final_states, varlen_states or an empty tensor)."""
+    result = implementation("mamba2_chunk_scan_combined", backend)(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+        (dt_low, dt_high), True, return_varlen_states)
+    return result[0], result[1], result[2] if return_varlen_states else x.new_empty(_NONE)
+
+
+def _run_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias,
+                                initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high, backend):
+    from .backward import scan_combined_backward as run
+    return run(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+               seq_idx, cu_seqlens, dt_softplus, (dt_low, dt_high), backend=backend)
+
+
 # --- mamba2_chunk_forward ------------------------------------------------------------------
 
 @torch.library.custom_op("tilegym_mamba2::chunk_forward", mutates_args=())
 def chunk_forward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, dt: Tensor, init_state: Tensor | None,
                   chunk_size: int, backend: str) -> tuple[Tensor, Tensor]:
-    out, final_state = implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
+    out, final_state = _run_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
     # Contiguous, as the fake's outputs are: compiled graphs assume the fake's strides.
     return out.contiguous(), final_state.contiguous()
 
@@ -43,8 +77,7 @@ def _(x, a, b, c, d, dt, init_state, chunk_size, backend):
 @torch.library.custom_op("tilegym_mamba2::chunk_backward", mutates_args=())
 def chunk_backward(x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, dt: Tensor, init_state: Tensor | None,
                    dout: Tensor, dfinal_state: Tensor, chunk_size: int, backend: str) -> list[Tensor]:
-    grads = implementation("mamba2_chunk_backward", backend)(x, a, b, c, d, dt, init_state, dout, dfinal_state,
-                                                             chunk_size)
+    grads = _run_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend)
     # Contiguous, as the fake's outputs are: compiled graphs assume the fake's strides.
     return [g.clone() if _aliases(g, (x, a, b, c, d, dt, init_state, dout, dfinal_state)) else g.contiguous()
             for g in grads]
@@ -63,10 +96,10 @@ def _chunk_setup(ctx, inputs, output):
     ctx.save_for_backward(*tensors)
 
 
-def _chunk_grads(ctx, dout, dfinal_state):
+def _chunk_grads(ctx, dout, dfinal_state, backward=chunk_backward):
     x, a, b, c, d, dt, init_state = ctx.saved_tensors
-    dx, da, db, dc, dd, ddt, dinit = chunk_backward(x, a, b, c, d, dt, init_state, dout.contiguous(),
-                                                    dfinal_state.contiguous(), ctx.chunk_size, ctx.backend)
+    dx, da, db, dc, dd, ddt, dinit = backward(x, a, b, c, d, dt, init_state, dout.contiguous(),
+                                              dfinal_state.contiguous(), ctx.chunk_size, ctx.backend)
     return (dx, da.to(a.dtype), db, dc, dd.to(d.dtype), ddt, None if init_state is None else dinit.to(init_state.dtype),
             None, None)
 
@@ -81,11 +114,9 @@ def scan_combined(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_
                   z: Tensor | None, dt_bias: Tensor | None, initial_states: Tensor | None, seq_idx: Tensor | None,
                   cu_seqlens: Tensor | None, dt_softplus: bool, dt_low: float, dt_high: float,
                   return_varlen_states: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    result = implementation("mamba2_chunk_scan_combined", backend)(
-        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
-        (dt_low, dt_high), True, return_varlen_states)
-    varlen = result[2].contiguous() if return_varlen_states else x.new_empty(_NONE)
-    return result[0].contiguous(), result[1].contiguous(), varlen
+    return tuple(t.contiguous() for t in _run_scan_combined(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high,
+        return_varlen_states, backend))
 
 
 @scan_combined.register_fake
@@ -104,9 +135,9 @@ def scan_combined_backward(dout: Tensor, dfinal_states: Tensor, dvarlen_states: 
                            z: Tensor | None, dt_bias: Tensor | None, initial_states: Tensor | None,
                            seq_idx: Tensor | None, cu_seqlens: Tensor | None, dt_softplus: bool, dt_low: float,
                            dt_high: float, backend: str) -> list[Tensor]:
-    from .backward import scan_combined_backward as run
-    grads = run(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
-                seq_idx, cu_seqlens, dt_softplus, (dt_low, dt_high), backend=backend)
+    grads = _run_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z,
+                                        dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high,
+                                        backend)
     inputs = (dout, dfinal_states, dvarlen_states, x, dt, A, B, C, D, z, dt_bias, initial_states)
     return [x.new_empty(_NONE) if g is None else g.clone() if _aliases(g, inputs) else g.contiguous() for g in grads]
 
@@ -124,9 +155,9 @@ def _layer_setup(ctx, inputs, output):
     ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
 
 
-def _layer_grads(ctx, dout, dfinal_states, dvarlen_states):
+def _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=scan_combined_backward):
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
-    grads = scan_combined_backward(
+    grads = backward(
         dout.contiguous(), dfinal_states.contiguous(),
         dvarlen_states.contiguous() if ctx.return_varlen_states else None, x, dt, A, B, C, ctx.chunk_size, D, z,
         dt_bias, initial_states, seq_idx, cu_seqlens, ctx.dt_softplus, ctx.dt_low, ctx.dt_high, ctx.backend)
@@ -149,20 +180,50 @@ def _aliases(t, inputs) -> bool:
     return any(i is not None and t.data_ptr() == i.data_ptr() and t.numel() and i.numel() for i in inputs)
 
 
+# --- eager autograd: the same pieces without the custom ops' dispatch ----------------------
+
+class _EagerChunkForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        _chunk_setup(ctx, inputs, None)
+        return _run_chunk_forward(*inputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dfinal_state):
+        return _chunk_grads(ctx, dout, dfinal_state, backward=_run_chunk_backward)
+
+
+
+
+class _EagerScanCombined(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        _layer_setup(ctx, inputs, None)
+        return _run_scan_combined(*inputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dfinal_states, dvarlen_states):
+        return _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=_run_scan_combined_backward)
+
+
 # --- what the backends' entry points call --------------------------------------------------
 
 def differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend):
-    if not torch.compiler.is_compiling():  # errors name the argument before the op's schema sees it
-        check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
-    return chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
+    if torch.compiler.is_compiling():
+        return chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
+    check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)  # errors name the argument
+    return _EagerChunkForward.apply(x, a, b, c, d, dt, init_state, chunk_size, backend)
 
 
 def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                  dt_softplus, dt_limit, return_final_states, return_varlen_states, backend):
+    op = scan_combined
     if not torch.compiler.is_compiling():
         check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                  dt_softplus, dt_limit, return_final_states, return_varlen_states, backend=backend)
-    out, final_states, varlen = scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                              cu_seqlens, dt_softplus, float(dt_limit[0]), float(dt_limit[1]),
-                                              return_varlen_states, backend)
+        op = _EagerScanCombined.apply
+    out, final_states, varlen = op(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                   dt_softplus, float(dt_limit[0]), float(dt_limit[1]), return_varlen_states, backend)
     return _returns(out, final_states, varlen, return_final_states, return_varlen_states)
