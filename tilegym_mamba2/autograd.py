@@ -194,8 +194,6 @@ class _EagerChunkForward(torch.autograd.Function):
         return _chunk_grads(ctx, dout, dfinal_state, backward=_run_chunk_backward)
 
 
-
-
 class _EagerScanCombined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
@@ -211,10 +209,11 @@ class _EagerScanCombined(torch.autograd.Function):
 # --- what the backends' entry points call --------------------------------------------------
 
 def differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend):
-    if torch.compiler.is_compiling():
-        return chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
-    check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)  # errors name the argument
-    return _EagerChunkForward.apply(x, a, b, c, d, dt, init_state, chunk_size, backend)
+    op = chunk_forward
+    if not torch.compiler.is_compiling():  # errors name the argument before an op sees it
+        check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
+        op = _EagerChunkForward.apply
+    return op(x, a, b, c, d, dt, init_state, chunk_size, backend)
 
 
 def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
