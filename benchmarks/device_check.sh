@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh two_kernels 1 GPU, ~9 minutes: experiment 53, chunk_grads as two kernels timed against the
+#                                           joint one, the backward's GPU tests, host against GPU time
 #   bash benchmarks/device_check.sh fourteenth 1 GPU, ~8 minutes: experiment 51's eager autograd on the GPU: the
 #                                           autograd tests (plain op eager + compiled, layer op bf16 and fp32,
 #                                           next to mamba_ssm), then host against GPU time per training step
@@ -55,6 +57,24 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
 case "${1:-tests}" in
+two_kernels)
+  # Experiment 53: chunk_grads as a columns and a rows kernel. Timed against the joint kernel
+  # (and a probe without the <dS, S> dot), then the backward's GPU tests in three processes
+  # side by side (plain op; next to mamba_ssm and compiled; layer op bf16), then host and GPU
+  # time per training step.
+  limit=${LIMIT_S:-290}
+  (cd benchmarks/variants && timeout 170 python3 chunk_grads_split.py joint split probe_no_through) > "$out/split.log" 2>&1
+  grep -E " ms |Error" "$out/split.log" | cut -c1-400
+  backward_tests plain "chunk_backward_matches" &
+  first=$!
+  backward_tests a "mamba_ssm or compile" &
+  second=$!
+  backward_tests b "layer_autograd and dtype0"
+  wait "$first" "$second"
+  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
+  timeout 100 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_backward.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_backward.log" | cut -c1-200
+  ;;
 fourteenth)
   # The next session's first call: experiment 51 (eager autograd through torch.autograd.Function)
   # never ran on a GPU. Its tests in two processes side by side (mamba_ssm's Triton autotune is

@@ -1,0 +1,87 @@
+"""Experiment 53 (GPU): chunk_grads as two kernels, one per role of a token (sender: dx, ddt_input,
+db; receiver: dc and dl's pairs), against the joint kernel of ddc2f11 (chunk_grads_joint.py), timed as the whole
+mamba2_chunk_backward on the issue's two shapes, the chunk_grads kernels' own GPU time from
+torch.profiler, and each variant's gradients against the joint kernel's (fp32 sums in another
+order).
+
+    python3 benchmarks/variants/chunk_grads_split.py [B,T,G,H,N,P ...]
+"""
+import importlib.util
+import pathlib
+import sys
+import tempfile
+
+import torch
+
+import tilegym_mamba2
+from tilegym_mamba2.cutile import scan
+from timing import backward_inputs, median_ms
+
+HERE = pathlib.Path(__file__).resolve().parent
+PACKAGE = HERE.parents[1] / "tilegym_mamba2" / "cutile" / "chunk_grads.py"
+SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64")
+NAMES = ("grad_x", "grad_a", "grad_b", "grad_c", "grad_d", "grad_dt", "grad_init")
+
+
+def module_from(path, edits=()):
+    text = path.read_text().replace("from .", "from tilegym_mamba2.cutile.")
+    for old, new in edits:
+        assert text.count(old) == 1, f"{old!r} is not in {path.name} once"
+        text = text.replace(old, new)
+    copy = pathlib.Path(tempfile.mkdtemp()) / path.name
+    copy.write_text(text)
+    spec = importlib.util.spec_from_file_location(copy.stem, copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+VARIANTS = {
+    "joint": lambda: module_from(HERE / "chunk_grads_joint.py"),
+    "split": lambda: module_from(PACKAGE),
+    "split_rows_occ2": lambda: module_from(PACKAGE, [(
+        "@ct.kernel(occupancy=1)\ndef chunk_grads_rows_kernel", "@ct.kernel(occupancy=2)\ndef chunk_grads_rows_kernel")]),
+    # A probe (dl wrong): what the fp32 dot <dS, S> and the entry state's load cost the columns kernel.
+    "probe_no_through": lambda: module_from(PACKAGE, [(
+        "ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)", "ct.exp2(g_end)")]),
+}
+
+
+def chunk_grads_ms(step):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.key.startswith("chunk_grads"):
+            times[event.key.split("_kernel")[0]] = event.device_time_total / 5e3
+    return times
+
+
+def run(shape, names):
+    inputs, dout, dfinal = backward_inputs(shape)
+
+    def step():
+        return tilegym_mamba2.mamba2_chunk_backward(**inputs, dout=dout, dfinal_state=dfinal)
+
+    original = scan.chunk_grads_kernel
+    want = None
+    for name in names:
+        scan.chunk_grads_kernel = VARIANTS[name]().chunk_grads
+        got = step()
+        want = want or got
+        diffs = " ".join(f"{n} {((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item():.1e}"
+                         for n, g, w in zip(NAMES, got, want) if w is not None and w.numel())
+        nan = any(g is not None and not torch.isfinite(g.float()).all() for g in got)
+        kernels = " ".join(f"{k} {v:.3f}" for k, v in chunk_grads_ms(step).items())
+        print(f"{shape} {name:16s} backward {median_ms(step, reps=20):.3f} ms  [{kernels} ms]  "
+              f"rel diff to joint: {diffs}{'  NaN/inf!' if nan else ''}", flush=True)
+    scan.chunk_grads_kernel = original
+
+
+if __name__ == "__main__":
+    shapes = [a for a in sys.argv[1:] if "," in a] or SHAPES
+    names = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
+    for text in shapes:
+        run(tuple(int(v) for v in text.split(",")), names)
