@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh final14 1 GPU, ~7 minutes: the two chunk_grads kernels against the joint one, the
+#                                           autograd tests (mamba_ssm, compile, layer bf16), host against GPU time
 #   bash benchmarks/device_check.sh two_kernels 1 GPU, ~9 minutes: experiment 53, chunk_grads as two kernels timed against the
 #                                           joint one, the backward's GPU tests, host against GPU time
 #   bash benchmarks/device_check.sh fourteenth 1 GPU, ~8 minutes: experiment 51's eager autograd on the GPU: the
@@ -57,6 +59,21 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
 case "${1:-tests}" in
+final14)
+  # The fourteenth session's last call: the package's two chunk_grads kernels (dl's pairs as row
+  # sums less column sums) timed against the joint kernel, the autograd tests next to mamba_ssm
+  # and the layer op's bf16 cases (the plain op's passed on this code in run50), host and GPU time.
+  limit=${LIMIT_S:-260}
+  (cd benchmarks/variants && timeout 110 python3 chunk_grads_split.py joint split) > "$out/split.log" 2>&1
+  grep -E " ms |Error" "$out/split.log" | cut -c1-400
+  backward_tests a "mamba_ssm or compile" &
+  first=$!
+  backward_tests b "layer_autograd and dtype0"
+  wait "$first"
+  test_summaries "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log
+  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_backward.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_backward.log" | cut -c1-200
+  ;;
 two_kernels)
   # Experiment 53: chunk_grads as a columns and a rows kernel. Timed against the joint kernel
   # (and a probe without the <dS, S> dot), then the backward's GPU tests in three processes

@@ -1,5 +1,5 @@
 """Experiment 53 (GPU): chunk_grads as two kernels, one per role of a token (sender: dx, ddt_input,
-db; receiver: dc and dl's pairs), against the joint kernel of ddc2f11 (chunk_grads_joint.py), timed as the whole
+db; receiver: dc), against the joint kernel of ddc2f11 (chunk_grads_joint.py), timed as the whole
 mamba2_chunk_backward on the issue's two shapes, the chunk_grads kernels' own GPU time from
 torch.profiler, and each variant's gradients against the joint kernel's (fp32 sums in another
 order).
@@ -39,6 +39,8 @@ def module_from(path, edits=()):
 VARIANTS = {
     "joint": lambda: module_from(HERE / "chunk_grads_joint.py"),
     "split": lambda: module_from(PACKAGE),
+    # dl's pairs summed directly in the rows kernel (a cumsum along its rows), as the joint kernel did
+    "pairs_in_rows": lambda: module_from(HERE / "chunk_grads_pairs_in_rows.py"),
     "split_rows_occ2": lambda: module_from(PACKAGE, [(
         "@ct.kernel(occupancy=1)\ndef chunk_grads_rows_kernel", "@ct.kernel(occupancy=2)\ndef chunk_grads_rows_kernel")]),
     # A probe (dl wrong): what the fp32 dot <dS, S> and the entry state's load cost the columns kernel.

@@ -33,16 +33,15 @@ BLOCK_HEADS = 16
 
 @ct.function
 def _shared_by_heads(b, c, seq_idx, batch, chunk, group, tokens, chunk_size, state_size, has_seq):
-    """What a block's heads share: the group's b and c tiles, c_t . b_s, and the masks (s <= t;
-    s <= t in one sequence; tokens of the sequence carried in from the previous chunk; tokens of
-    the one going on into the next)."""
+    """What a block's heads share: the group's b and c tiles, c_t . b_s, and the sequence masks
+    (s <= t in one sequence; tokens of the sequence carried in from the previous chunk; tokens
+    of the one going on into the next)."""
     b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                      padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
     c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                      padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
     token = ct.arange(chunk_size, dtype=ct.int32)
-    at_or_before = token[:, None] >= token[None, :]    # [t, s]: s <= t
-    same = at_or_before
+    same = token[:, None] >= token[None, :]    # [t, s]: s <= t
     carried = token >= 0
     going_on = token >= 0
     if has_seq:
@@ -52,9 +51,9 @@ def _shared_by_heads(b, c, seq_idx, batch, chunk, group, tokens, chunk_size, sta
         after = ct.load(seq_idx, (batch, min((chunk + 1) * chunk_size, tokens - 1)), (1, 1)).reshape((1,))
         carried = seq == before
         going_on = seq == after
-        same = at_or_before & (seq[:, None] == seq[None, :])
+        same = same & (seq[:, None] == seq[None, :])
     scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
-    return b_tile, c_tile, at_or_before, same, carried, going_on, scores
+    return b_tile, c_tile, same, carried, going_on, scores
 
 
 @ct.kernel(occupancy=1)
@@ -72,7 +71,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
     num_chunks = dt_bht.shape[2] // chunk_size
     reversed_chunk = num_chunks - 1 - chunk
     mma_dtype = x.dtype
-    b_tile, c_tile, at_or_before, same, carried, going_on, scores = _shared_by_heads(
+    b_tile, c_tile, same, carried, going_on, scores = _shared_by_heads(
         b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
     # db summed over the block's heads in fp32: one store per block, not a rounded one per head
@@ -102,6 +101,13 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
             products = ct.mma(dy_low_tile, ct.transpose(x_tile), products)
         decayed_products = decay * products                                               # D_ts (dy_t . x_s)
         from_end = ct.where(going_on, ct.exp2(g_end - g), 0.0)
+        # dl from pairs s < u <= t: the rows kernel's sum over t >= u of what t receives, less the
+        # sum over s >= u of what s sends (the pairs with s >= u cancel, within one chunk in fp32).
+        # The direct sum, a cumsum along the rows, made the rows kernel 0.19 -> 0.63 ms on the
+        # source config (experiment 53, run51) for a dl error below bf16's (float64 emulation:
+        # per chunk ~1e-6 of dA against ~1e-7).
+        pairs = decayed_products * dt_tile[None, :] * scores
+        sent_pairs = ct.sum(pairs, axis=0)
 
         # The gradient leaving the chunk: sent by s < u (dl), and dxs's and db's second terms.
         grad_t = ct.load(rev_entry_states, (batch, head, reversed_chunk, 0), (1, 1, state_size, head_size)).reshape(
@@ -129,7 +135,9 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
             (state_size, head_size))
         through = ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)
-        dl_tile = ct.cumsum(sent, axis=0) - sent + ct.where(carried & going_on, through, 0.0)
+        dl_tile = (ct.cumsum(sent, axis=0) - sent
+                   - (ct.sum(sent_pairs, axis=0, keepdims=True) - ct.cumsum(sent_pairs, axis=0) + sent_pairs)
+                   + ct.where(carried & going_on, through, 0.0))
         ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
 
     ct.store(db, (batch, chunk, block, 0), db_sum.reshape((1, chunk_size, 1, state_size)))
@@ -148,7 +156,7 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
     batch, block = batch_block // blocks, batch_block % blocks
     group = block * block_heads // (heads // b.shape[2])
     mma_dtype = x.dtype
-    b_tile, c_tile, at_or_before, same, carried, going_on, scores = _shared_by_heads(
+    b_tile, c_tile, same, carried, going_on, scores = _shared_by_heads(
         b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
     dc_sum = ct.zeros((chunk_size, state_size), dtype=ct.float32)
@@ -172,17 +180,15 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
             dy_f32 = dy_f32 + dy_low_tile.astype(ct.float32)
         decayed_products = decay * products                                               # D_ts (dy_t . x_s)
         into = ct.where(carried, ct.exp2(g), 0.0)
-        # dl from pairs s < u <= t: the sum over t >= u of the sum over s < u (s = t never counts).
+        # The same pairs as the columns kernel's, so that the pairs with s >= u cancel exactly.
         pairs = decayed_products * dt_tile[None, :] * scores
-        before_u = ct.cumsum(pairs, axis=1) - pairs
-        dl_tile = ct.sum(ct.where(at_or_before, before_u, 0.0), axis=0)
 
         # The entry state: received by t >= u (dl), and dc's first term.
         state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
             (state_size, head_size))
         from_state = ct.mma(c_tile, state_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
-        received = into * ct.sum(dy_f32 * from_state, axis=1)
-        dl_tile = (dl_tile + ct.load(dl, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        received = into * ct.sum(dy_f32 * from_state, axis=1) + ct.sum(pairs, axis=1)
+        dl_tile = (ct.load(dl, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
                    + ct.sum(received, axis=0, keepdims=True) - ct.cumsum(received, axis=0) + received)
         ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
         dc_head = ct.mma(dy_tile, ct.transpose(state_t.astype(mma_dtype)),

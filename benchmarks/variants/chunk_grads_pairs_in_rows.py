@@ -1,0 +1,232 @@
+"""Every gradient of the scan that involves a state, one block per (batch, chunk, a few heads of
+one group), head by head from the chunk's entry state S and the gradient dS of the state it
+leaves (scan_reference.chunk_grads_reference states the formulas): dx = dt * dh b + D * dy,
+x . (dh b) in fp32 (for ddt) and the log decay's gradient dl of each head, and dc, db summed
+over the block's heads in fp32.
+
+Summing per-token terms of the forward and backward outputs over the rest of the sequence
+gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
+thousands of tokens and bf16 rounding is left: 0.04-0.2 relative error in ddt measured on the
+H200 (benchmarks/NOTES.md). Here every term is a sum of products within one chunk.
+
+The two chunk-by-chunk products, c_t . b_s and dy_t . x_s, each serve two gradients: with the
+decay D_ts they give dxs (and dl) and dc, db (and dl). Scanning the transposed state for dc and
+db instead (the first backward) ran two more passes over every token (experiment 34).
+
+Entry states are stored transposed, [.., chunks * state_size, head_size], as the state pass
+leaves them; the reversed scan's are in reversed chunk order, before its shifted decay (so
+dS = exp2(the next chunk's first decay) * entry).
+"""
+import cuda.tile as ct
+import torch
+
+from .compute_out import NO_SKIP, SKIP_PER_CHANNEL, SKIP_PER_HEAD
+from .launch import launch, new_output
+
+# Heads whose db or dc one block sums: fewer, fp32 partial sums, and c . b once for them all,
+# against fewer blocks in flight. Experiment 41 (run33): 2.7B layer backward 4.97 / 4.62 / 4.50 /
+# 4.44 ms at 1 / 4 / 8 / 16; source config 2.47 ms at 1, 2.22 at 8 (its 8 heads).
+# A runtime argument, not a constant, so that head counts with different blocks share a compile;
+# speed unchanged (run37: 2.221 / 4.669 ms against run34's 2.207 / 4.652).
+BLOCK_HEADS = 16
+
+
+@ct.function
+def _shared_by_heads(b, c, seq_idx, batch, chunk, group, tokens, chunk_size, state_size, has_seq):
+    """What a block's heads share: the group's b and c tiles, c_t . b_s, and the masks (s <= t;
+    s <= t in one sequence; tokens of the sequence carried in from the previous chunk; tokens of
+    the one going on into the next)."""
+    b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+    c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
+    token = ct.arange(chunk_size, dtype=ct.int32)
+    at_or_before = token[:, None] >= token[None, :]    # [t, s]: s <= t
+    same = at_or_before
+    carried = token >= 0
+    going_on = token >= 0
+    if has_seq:
+        seq = ct.load(seq_idx, (batch, chunk), (1, chunk_size), padding_mode=ct.PaddingMode.ZERO).reshape(
+            (chunk_size,))
+        before = ct.load(seq_idx, (batch, max(chunk * chunk_size - 1, 0)), (1, 1)).reshape((1,))
+        after = ct.load(seq_idx, (batch, min((chunk + 1) * chunk_size, tokens - 1)), (1, 1)).reshape((1,))
+        carried = seq == before
+        going_on = seq == after
+        same = at_or_before & (seq[:, None] == seq[None, :])
+    scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+    return b_tile, c_tile, at_or_before, same, carried, going_on, scores
+
+
+@ct.kernel(occupancy=1)
+def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx,
+                               d, dx, ddt_input, dl, db, chunk_size: ct.Constant[int], head_size: ct.Constant[int],
+                               state_size: ct.Constant[int], has_seq: ct.Constant[bool],
+                               has_dy_low: ct.Constant[bool], skip_mode: ct.Constant[int], block_heads: int):
+    """Each token s as a sender: dx, ddt_input, db (summed over the block's heads) and dl's terms
+    from s < u (written to dl; the rows kernel adds the receivers' terms)."""
+    batch_block, chunk = ct.bid(0), ct.bid(1)
+    heads = x.shape[2]
+    blocks = heads // block_heads
+    batch, block = batch_block // blocks, batch_block % blocks
+    group = block * block_heads // (heads // b.shape[2])
+    num_chunks = dt_bht.shape[2] // chunk_size
+    reversed_chunk = num_chunks - 1 - chunk
+    mma_dtype = x.dtype
+    b_tile, c_tile, at_or_before, same, carried, going_on, scores = _shared_by_heads(
+        b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
+    never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
+    # db summed over the block's heads in fp32: one store per block, not a rounded one per head
+    # (the group's sum can cancel, and per-head stores moved heads x the bytes).
+    db_sum = ct.zeros((chunk_size, state_size), dtype=ct.float32)
+
+    for i in range(block_heads):
+        head = block * block_heads + i
+        x_tile = ct.load(x, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+        dy_tile = ct.load(dy, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g_end = ct.extract(g, (chunk_size - 1,), (1,))
+        # The decay into the next chunk's first token (none after the last chunk). Where a sequence
+        # ends with the chunk, from_end and going_on drop every term it scales.
+        following = ct.load(decay_cumsum, (batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size))
+        next_first = ct.extract(following.reshape((chunk_size,)), (0,), (1,))
+        into_next = ct.exp2(ct.where(chunk + 1 < num_chunks, next_first, 0.0))
+
+        decay = ct.exp2(ct.where(same, g[:, None] - g[None, :], never))                  # D_ts
+        products = ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        if has_dy_low:
+            dy_low_tile = ct.load(dy_low, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                                  padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+            products = ct.mma(dy_low_tile, ct.transpose(x_tile), products)
+        decayed_products = decay * products                                               # D_ts (dy_t . x_s)
+        from_end = ct.where(going_on, ct.exp2(g_end - g), 0.0)
+
+        # The gradient leaving the chunk: sent by s < u (dl), and dxs's and db's second terms.
+        grad_t = ct.load(rev_entry_states, (batch, head, reversed_chunk, 0), (1, 1, state_size, head_size)).reshape(
+            (state_size, head_size)) * into_next
+        to_grad = ct.mma(b_tile, grad_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
+        x_f32 = x_tile.astype(ct.float32)
+        sent = dt_tile * from_end * ct.sum(x_f32 * to_grad, axis=1)
+        dxs_tile = ct.mma(ct.transpose((decay * scores).astype(mma_dtype)), dy_tile, to_grad * from_end[:, None])
+        ct.store(ddt_input, (batch, head, chunk), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, 1, chunk_size)))
+        dx_tile = dxs_tile * dt_tile[:, None]
+        if skip_mode != NO_SKIP:
+            dy_f32 = dy_tile.astype(ct.float32)
+            if has_dy_low:
+                dy_f32 = dy_f32 + dy_low_tile.astype(ct.float32)
+            if skip_mode == SKIP_PER_HEAD:
+                dx_tile = dx_tile + ct.load(d, (head,), (1,)).reshape((1, 1)) * dy_f32
+            else:
+                dx_tile = dx_tile + ct.load(d, (head, 0), (1, head_size)) * dy_f32
+        ct.store(dx, (batch, chunk, head, 0), dx_tile.astype(dx.dtype).reshape((1, chunk_size, 1, head_size)))
+        db_head = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
+                         ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
+        db_head = ct.mma(ct.transpose(decayed_products.astype(mma_dtype)), c_tile, db_head) * dt_tile[:, None]
+        db_sum = db_sum + db_head
+
+        state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
+            (state_size, head_size))
+        through = ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)
+        dl_tile = ct.cumsum(sent, axis=0) - sent + ct.where(carried & going_on, through, 0.0)
+        ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
+
+    ct.store(db, (batch, chunk, block, 0), db_sum.reshape((1, chunk_size, 1, state_size)))
+
+
+@ct.kernel(occupancy=1)
+def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq_idx, dl, dc,
+                            chunk_size: ct.Constant[int], head_size: ct.Constant[int],
+                            state_size: ct.Constant[int], has_seq: ct.Constant[bool],
+                            has_dy_low: ct.Constant[bool], block_heads: int):
+    """Each token t as a receiver: dc (summed over the block's heads) and dl's terms from t >= u,
+    added to what the columns kernel left in dl."""
+    batch_block, chunk = ct.bid(0), ct.bid(1)
+    heads = x.shape[2]
+    blocks = heads // block_heads
+    batch, block = batch_block // blocks, batch_block % blocks
+    group = block * block_heads // (heads // b.shape[2])
+    mma_dtype = x.dtype
+    b_tile, c_tile, at_or_before, same, carried, going_on, scores = _shared_by_heads(
+        b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
+    never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
+    dc_sum = ct.zeros((chunk_size, state_size), dtype=ct.float32)
+
+    for i in range(block_heads):
+        head = block * block_heads + i
+        x_tile = ct.load(x, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+        dy_tile = ct.load(dy, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+
+        decay = ct.exp2(ct.where(same, g[:, None] - g[None, :], never))                  # D_ts
+        products = ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        dy_f32 = dy_tile.astype(ct.float32)
+        if has_dy_low:
+            dy_low_tile = ct.load(dy_low, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                                  padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+            products = ct.mma(dy_low_tile, ct.transpose(x_tile), products)
+            dy_f32 = dy_f32 + dy_low_tile.astype(ct.float32)
+        decayed_products = decay * products                                               # D_ts (dy_t . x_s)
+        into = ct.where(carried, ct.exp2(g), 0.0)
+        # dl from pairs s < u <= t: the sum over t >= u of the sum over s < u (s = t never counts).
+        pairs = decayed_products * dt_tile[None, :] * scores
+        before_u = ct.cumsum(pairs, axis=1) - pairs
+        dl_tile = ct.sum(ct.where(at_or_before, before_u, 0.0), axis=0)
+
+        # The entry state: received by t >= u (dl), and dc's first term.
+        state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
+            (state_size, head_size))
+        from_state = ct.mma(c_tile, state_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
+        received = into * ct.sum(dy_f32 * from_state, axis=1)
+        dl_tile = (dl_tile + ct.load(dl, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+                   + ct.sum(received, axis=0, keepdims=True) - ct.cumsum(received, axis=0) + received)
+        ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
+        dc_head = ct.mma(dy_tile, ct.transpose(state_t.astype(mma_dtype)),
+                         ct.zeros((chunk_size, state_size), dtype=ct.float32)) * into[:, None]
+        dc_sum = ct.mma((decayed_products * dt_tile[None, :]).astype(mma_dtype), b_tile, dc_sum + dc_head)
+
+    ct.store(dc, (batch, chunk, block, 0), dc_sum.reshape((1, chunk_size, 1, state_size)))
+
+
+def block_heads_for(heads_per_group):
+    """Heads per block: the largest divisor of a group's heads up to BLOCK_HEADS."""
+    return max(k for k in range(1, min(BLOCK_HEADS, heads_per_group) + 1) if heads_per_group % k == 0)
+
+
+def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx, d, chunk_size):
+    """x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
+    dy_low like dy or None: what rounding dy to x's dtype left out, where dy is a product (the
+    gated gradient of the layer op), added to dy in the dy . x products, the dy . (c S) terms and
+    D dy (experiment 48: the mixer's dA error 1.5e-3 -> mamba_ssm's 4.7e-4 level);
+    dt_bht, decay_cumsum [batch, heads, chunks * chunk_size];
+    entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
+    seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None
+    -> (dx like x, ddt_input = x . dh b and dl [batch, heads, chunks * chunk_size] fp32 (stored along
+        the tokens: one [batch, tokens, heads] store per token would be strided),
+        db and dc fp32 [batch, tokens, blocks, state_size], each summed over a block of one
+        group's heads (block_heads_for), to be summed over each group's blocks)."""
+    batch, tokens, heads, head_size = x.shape
+    state_size = b.shape[3]
+    padded = dt_bht.shape[2]
+    block_heads = block_heads_for(heads // b.shape[2])
+    blocks = heads // block_heads
+    dx = new_output(*x.shape, dtype=x.dtype, device=x.device)
+    ddt_input, dl = new_output(2, batch, heads, padded, dtype=torch.float32, device=x.device).unbind(0)
+    # Two buffers, not views of one: with one block per group they are the op's returns.
+    db, dc = (new_output(batch, tokens, blocks, state_size, dtype=torch.float32, device=x.device) for _ in range(2))
+    skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
+    grid = (batch * blocks, padded // chunk_size)
+    dy_low = dy if dy_low is None else dy_low
+    seq = dl if seq_idx is None else seq_idx
+    launch(grid, chunk_grads_columns_kernel,
+           (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq,
+            dl if d is None else d, dx, ddt_input, dl, db, chunk_size, head_size, state_size, seq_idx is not None,
+            dy_low is not dy, skip_mode, block_heads))
+    launch(grid, chunk_grads_rows_kernel,
+           (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq, dl, dc, chunk_size, head_size,
+            state_size, seq_idx is not None, dy_low is not dy, block_heads))
+    return dx, ddt_input, dl, db, dc
