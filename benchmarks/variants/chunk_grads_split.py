@@ -39,11 +39,10 @@ def module_from(path, edits=()):
 VARIANTS = {
     "joint": lambda: module_from(HERE / "chunk_grads_joint.py"),
     "split": lambda: module_from(PACKAGE),
-    # dl's pairs summed directly in the rows kernel (a cumsum along its rows), as the joint kernel did
-    "pairs_in_rows": lambda: module_from(HERE / "chunk_grads_pairs_in_rows.py"),
     "split_rows_occ2": lambda: module_from(PACKAGE, [(
         "@ct.kernel(occupancy=1)\ndef chunk_grads_rows_kernel", "@ct.kernel(occupancy=2)\ndef chunk_grads_rows_kernel")]),
-    # A probe (dl wrong): what the fp32 dot <dS, S> and the entry state's load cost the columns kernel.
+    # A probe (dl wrong): what the fp32 dot <dS, S> costs the columns kernel. (run51's variant, dl's
+    # pairs summed directly in the rows kernel, is chunk_grads.py at 31037c8.)
     "probe_no_through": lambda: module_from(PACKAGE, [(
         "ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)", "ct.exp2(g_end)")]),
 }
