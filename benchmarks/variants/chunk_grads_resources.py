@@ -37,8 +37,10 @@ import tempfile
 import torch
 
 from kernel_remarks import backward_launches, compile_and_report
+from tilegym_mamba2.cutile import scan
 
-SOURCE = pathlib.Path(__file__).resolve().parents[2] / "tilegym_mamba2" / "cutile" / "chunk_grads.py"
+# The one-kernel chunk_grads of experiment 52 (the package splits it in two since experiment 53).
+SOURCE = pathlib.Path(__file__).resolve().parent / "chunk_grads_joint.py"
 LOOP_LOADS = ("x_tile = ct.load(x, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),\n",
               "dy_tile = ct.load(dy, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),\n",
               "state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size))",
@@ -86,7 +88,7 @@ EDITS = {
 def variant_module(name):
     text = SOURCE.read_text().replace("from .", "from tilegym_mamba2.cutile.")
     for old, new in EDITS[name]:
-        assert text.count(old) == 1, f"{name}: {old!r} is not in chunk_grads.py once"
+        assert text.count(old) == 1, f"{name}: {old!r} is not in {SOURCE.name} once"
         text = text.replace(old, new)
     path = pathlib.Path(tempfile.mkdtemp()) / f"chunk_grads_{name}.py"
     path.write_text(text)
@@ -96,6 +98,7 @@ def variant_module(name):
     return module
 
 
+scan.chunk_grads_kernel = variant_module("package").chunk_grads
 launches = backward_launches((2, 8192, 1, 80, 128, 64))
 kernel, args = next((k, a) for k, a in launches if k._pyfunc.__name__ == "chunk_grads_kernel")
 for name in sys.argv[1:] or EDITS:
