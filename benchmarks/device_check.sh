@@ -30,8 +30,9 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
-#   bash benchmarks/device_check.sh fifteenth 1 GPU, ~10 minutes: the layer op's fp16 / fp32 backward tests, the mamba_ssm
-#                                           comparison and state 512 on the two chunk_grads kernels, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh fifteenth 1 GPU, ~10 minutes: experiment 54's variant timed; the layer op's fp16 / fp32 backward tests, the mamba_ssm
+#                                           comparison and state 512 on the two chunk_grads kernels
+#   bash benchmarks/device_check.sh tilegym_vs_ours 1 GPU, ~9 minutes: tilegym's backward next to ours in one process
 #   bash benchmarks/device_check.sh final14 1 GPU, ~7 minutes: the two chunk_grads kernels against the joint one, the
 #                                           autograd tests (mamba_ssm, compile, layer bf16), host against GPU time
 #   bash benchmarks/device_check.sh two_kernels 1 GPU, ~9 minutes: experiment 53, chunk_grads as two kernels timed against the
@@ -63,8 +64,11 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
 case "${1:-tests}" in
 fifteenth)
   # The next session's first call: the backward tests not yet run on the two chunk_grads kernels,
-  # in three processes side by side; then tilegym's backward next to ours (BENCH_S seconds).
-  limit=${LIMIT_S:-330}
+  # in three processes side by side (then `tilegym_vs_ours` in a call of its own).
+  # First experiment 54's columns kernel on [s, t] tiles against the package's (CPU-compiled only).
+  (cd benchmarks/variants && timeout 120 python3 chunk_grads_split.py split columns_st) > "$out/split.log" 2>&1
+  grep -E " ms |Error" "$out/split.log" | cut -c1-400
+  limit=${LIMIT_S:-300}
   backward_tests a "mamba_ssm or state_512" &
   first=$!
   backward_tests b "layer_autograd and dtype1" &
@@ -72,7 +76,10 @@ fifteenth)
   backward_tests c "layer_autograd and dtype2"
   wait "$first" "$second"
   test_summaries "$out"/gpu_backward_a.log "$out"/gpu_backward_b.log "$out"/gpu_backward_c.log
-  timeout "${BENCH_S:-240}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
+  ;;
+tilegym_vs_ours)
+  # tilegym's backward next to ours in one process (its autotune limited as in run45), under 10 minutes.
+  timeout "${BENCH_S:-500}" python3 benchmarks/variants/tilegym_backward.py > "$out/tilegym_backward.log" 2>&1
   grep -E "fwd\+bwd|^\|" "$out/tilegym_backward.log" | cut -c1-200
   ;;
 final14)
