@@ -1,8 +1,12 @@
-"""Every gradient of the scan that involves a state, one block per (batch, chunk, a few heads of
-one group), head by head from the chunk's entry state S and the gradient dS of the state it
-leaves (scan_reference.chunk_grads_reference states the formulas): dx = dt * dh b + D * dy,
-x . (dh b) in fp32 (for ddt) and the log decay's gradient dl of each head, and dc, db summed
-over the block's heads in fp32.
+"""Every gradient of the scan that involves a state, from the chunk's entry state S and the
+gradient dS of the state it leaves (scan_reference.chunk_grads_reference states the formulas):
+dx = dt * dh b + D * dy, x . (dh b) in fp32 (for ddt) and the log decay's gradient dl of each
+head, and dc, db summed over a block's heads in fp32. Two kernels, each one block per (batch,
+chunk, a few heads of one group), head by head: the columns kernel takes each token as a sender
+(dx, ddt_input, db, dl's terms of tokens before u), then the rows kernel each token as a
+receiver (dc, dl's terms of tokens from u on, added to dl). One kernel doing both took 0.85 ms
+where the two take 0.65 on the source config, 2.06 against 1.51 on the 2.7B layer (experiment
+53, run52).
 
 Summing per-token terms of the forward and backward outputs over the rest of the sequence
 gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
