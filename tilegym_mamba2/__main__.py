@@ -167,7 +167,7 @@ def compile_all(target) -> int:
                              ("serving ops (decode step, prefill conv)", lambda: compile_serving_kernels(target))):
             print(f"  {op}:")
             for name, size, seconds in compiled():
-                print(f"    {name:24s} {target}  {size:8d} bytes  {seconds:.1f} s")
+                print(f"    {name:30s} {target}  {size:8d} bytes  {seconds:.1f} s")
     except Exception as e:
         print(explain_compile_failure(e) or f"compile failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
