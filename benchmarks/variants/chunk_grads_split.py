@@ -26,16 +26,9 @@ SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64")
 NAMES = ("grad_x", "grad_a", "grad_b", "grad_c", "grad_d", "grad_dt", "grad_init")
 
 
-def module_from(path, edits=(), columns_edits=()):
-    """The module at ``path`` with textual edits (each must apply once); ``columns_edits`` only
-    in the text before the rows kernel (the package's columns kernel)."""
+def module_from(path, edits=()):
+    """The module at ``path`` with textual edits (each must apply once)."""
     text = path.read_text().replace("from .", "from tilegym_mamba2.cutile.")
-    rows_at = text.index("@ct.kernel(occupancy=1)\ndef chunk_grads_rows_kernel") if columns_edits else len(text)
-    columns, rest = text[:rows_at], text[rows_at:]
-    for old, new in columns_edits:
-        assert columns.count(old) == 1, f"{old!r} is not in {path.name}'s columns kernel once"
-        columns = columns.replace(old, new)
-    text = columns + rest
     for old, new in edits:
         assert text.count(old) == 1, f"{old!r} is not in {path.name} once"
         text = text.replace(old, new)
@@ -47,34 +40,14 @@ def module_from(path, edits=(), columns_edits=()):
     return module
 
 
-# The columns kernel on [s, t] tiles (sender s along the rows): its pairs' sums over t become row
-# sums (run51: the column sums cost it 0.16 ms on the source config) and its two mma on
-# transposed 64 x 64 tiles (dxs, db) take them as they are.
-COLUMNS_ST = [
-    ("""        b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
-""", """        b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
-    scores = ct.mma(b_tile, ct.transpose(c_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
-    same = ct.transpose(same)
-"""),
-    ("ct.where(same, g[:, None] - g[None, :], never)", "ct.where(same, g[None, :] - g[:, None], never)"),
-    ("ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros(", "ct.mma(x_tile, ct.transpose(dy_tile), ct.zeros("),
-    ("ct.mma(dy_low_tile, ct.transpose(x_tile), products)", "ct.mma(x_tile, ct.transpose(dy_low_tile), products)"),
-    ("pairs = decayed_products * dt_tile[None, :] * scores", "pairs = decayed_products * dt_tile[:, None] * scores"),
-    ("sent_pairs = ct.sum(pairs, axis=0)", "sent_pairs = ct.sum(pairs, axis=1)"),
-    ("ct.mma(ct.transpose((decay * scores).astype(mma_dtype)), dy_tile,", "ct.mma((decay * scores).astype(mma_dtype), dy_tile,"),
-    ("ct.mma(ct.transpose(decayed_products.astype(mma_dtype)), c_tile, db_head)",
-     "ct.mma(decayed_products.astype(mma_dtype), c_tile, db_head)"),
-]
-
-
 VARIANTS = {
     "joint": lambda: module_from(HERE / "chunk_grads_joint.py"),
     "split": lambda: module_from(PACKAGE),
     "split_rows_occ2": lambda: module_from(PACKAGE, [(
         "@ct.kernel(occupancy=1)\ndef chunk_grads_rows_kernel", "@ct.kernel(occupancy=2)\ndef chunk_grads_rows_kernel")]),
     # A probe (dl wrong): what the fp32 dot <dS, S> costs the columns kernel. (run51's variant, dl's
-    # pairs summed directly in the rows kernel, is chunk_grads.py at 31037c8.)
-    "columns_st": lambda: module_from(PACKAGE, columns_edits=COLUMNS_ST),
+    # pairs summed directly in the rows kernel, is chunk_grads.py at 31037c8; the columns kernel
+    # on [t, s] tiles, timed against the package's [s, t] one in run53, is chunk_grads.py at d901859.)
     "probe_no_through": lambda: module_from(PACKAGE, [(
         "ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)", "ct.exp2(g_end)")]),
 }

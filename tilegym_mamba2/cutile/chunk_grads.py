@@ -5,8 +5,8 @@ head, and dc, db summed over a block's heads in fp32. Two kernels, each one bloc
 chunk, a few heads of one group), head by head: the columns kernel takes each token as a sender
 (dx, ddt_input, db, dl's terms of tokens before u), then the rows kernel each token as a
 receiver (dc, dl's terms of tokens from u on, added to dl). One kernel doing both took 0.85 ms
-where the two take 0.65 on the source config, 2.06 against 1.51 on the 2.7B layer (experiment
-53, run52).
+where the two take 0.51 on the source config, 2.06 against 1.20 on the 2.7B layer (experiments
+53 and 54, run52 and run53).
 
 Summing per-token terms of the forward and backward outputs over the rest of the sequence
 gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
@@ -37,9 +37,9 @@ BLOCK_HEADS = 16
 
 @ct.function
 def _shared_by_heads(b, c, seq_idx, batch, chunk, group, tokens, chunk_size, state_size, has_seq):
-    """What a block's heads share: the group's b and c tiles, c_t . b_s, and the sequence masks
-    (s <= t in one sequence; tokens of the sequence carried in from the previous chunk; tokens
-    of the one going on into the next)."""
+    """What a block's heads share: the group's b and c tiles and the sequence masks ([t, s]: s <= t
+    in one sequence; tokens of the sequence carried in from the previous chunk; tokens of the one
+    going on into the next)."""
     b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                      padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
     c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
@@ -56,8 +56,7 @@ def _shared_by_heads(b, c, seq_idx, batch, chunk, group, tokens, chunk_size, sta
         carried = seq == before
         going_on = seq == after
         same = same & (seq[:, None] == seq[None, :])
-    scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
-    return b_tile, c_tile, same, carried, going_on, scores
+    return b_tile, c_tile, same, carried, going_on
 
 
 @ct.kernel(occupancy=1)
@@ -66,7 +65,12 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                                state_size: ct.Constant[int], has_seq: ct.Constant[bool],
                                has_dy_low: ct.Constant[bool], skip_mode: ct.Constant[int], block_heads: int):
     """Each token s as a sender: dx, ddt_input, db (summed over the block's heads) and dl's terms
-    from s < u (written to dl; the rows kernel adds the receivers' terms)."""
+    from s < u (written to dl; the rows kernel adds the receivers' terms).
+
+    Its chunk-by-chunk tiles are [s, t], senders along the rows, the transpose of the rows
+    kernel's: sums over receivers t become row sums and the dxs and db products take the tiles
+    untransposed. On [t, s] tiles the kernel spilled (376-byte stack frame) and took 0.46 ms
+    against 0.32 on the source config, 1.08 against 0.77 on the 2.7B layer (experiment 54, run53)."""
     batch_block, chunk = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     blocks = heads // block_heads
@@ -75,8 +79,10 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
     num_chunks = dt_bht.shape[2] // chunk_size
     reversed_chunk = num_chunks - 1 - chunk
     mma_dtype = x.dtype
-    b_tile, c_tile, same, carried, going_on, scores = _shared_by_heads(
+    b_tile, c_tile, same, carried, going_on = _shared_by_heads(
         b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
+    same = ct.transpose(same)                                                              # [s, t]
+    scores = ct.mma(b_tile, ct.transpose(c_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
     # db summed over the block's heads in fp32: one store per block, not a rounded one per head
     # (the group's sum can cancel, and per-head stores moved heads x the bytes).
@@ -97,12 +103,12 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         next_first = ct.extract(following.reshape((chunk_size,)), (0,), (1,))
         into_next = ct.exp2(ct.where(chunk + 1 < num_chunks, next_first, 0.0))
 
-        decay = ct.exp2(ct.where(same, g[:, None] - g[None, :], never))                  # D_ts
-        products = ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        decay = ct.exp2(ct.where(same, g[None, :] - g[:, None], never))                  # D_ts at [s, t]
+        products = ct.mma(x_tile, ct.transpose(dy_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         if has_dy_low:
             dy_low_tile = ct.load(dy_low, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
                                   padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
-            products = ct.mma(dy_low_tile, ct.transpose(x_tile), products)
+            products = ct.mma(x_tile, ct.transpose(dy_low_tile), products)
         decayed_products = decay * products                                               # D_ts (dy_t . x_s)
         from_end = ct.where(going_on, ct.exp2(g_end - g), 0.0)
         # dl from pairs s < u <= t: the rows kernel's sum over t >= u of what t receives, less the
@@ -110,8 +116,8 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         # The direct sum, a cumsum along the rows, made the rows kernel 0.19 -> 0.63 ms on the
         # source config (experiment 53, run51) for a dl error below bf16's (float64 emulation:
         # per chunk ~1e-6 of dA against ~1e-7).
-        pairs = decayed_products * dt_tile[None, :] * scores
-        sent_pairs = ct.sum(pairs, axis=0)
+        pairs = decayed_products * dt_tile[:, None] * scores
+        sent_pairs = ct.sum(pairs, axis=1)
 
         # The gradient leaving the chunk: sent by s < u (dl), and dxs's and db's second terms.
         grad_t = ct.load(rev_entry_states, (batch, head, reversed_chunk, 0), (1, 1, state_size, head_size)).reshape(
@@ -119,7 +125,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         to_grad = ct.mma(b_tile, grad_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
         x_f32 = x_tile.astype(ct.float32)
         sent = dt_tile * from_end * ct.sum(x_f32 * to_grad, axis=1)
-        dxs_tile = ct.mma(ct.transpose((decay * scores).astype(mma_dtype)), dy_tile, to_grad * from_end[:, None])
+        dxs_tile = ct.mma((decay * scores).astype(mma_dtype), dy_tile, to_grad * from_end[:, None])
         ct.store(ddt_input, (batch, head, chunk), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, 1, chunk_size)))
         dx_tile = dxs_tile * dt_tile[:, None]
         if skip_mode != NO_SKIP:
@@ -133,7 +139,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         ct.store(dx, (batch, chunk, head, 0), dx_tile.astype(dx.dtype).reshape((1, chunk_size, 1, head_size)))
         db_head = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
                          ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
-        db_head = ct.mma(ct.transpose(decayed_products.astype(mma_dtype)), c_tile, db_head) * dt_tile[:, None]
+        db_head = ct.mma(decayed_products.astype(mma_dtype), c_tile, db_head) * dt_tile[:, None]
         db_sum = db_sum + db_head
 
         state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
@@ -160,8 +166,9 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
     batch, block = batch_block // blocks, batch_block % blocks
     group = block * block_heads // (heads // b.shape[2])
     mma_dtype = x.dtype
-    b_tile, c_tile, same, carried, going_on, scores = _shared_by_heads(
+    b_tile, c_tile, same, carried, going_on = _shared_by_heads(
         b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
+    scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))  # [t, s]
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
     dc_sum = ct.zeros((chunk_size, state_size), dtype=ct.float32)
 
@@ -184,7 +191,8 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
             dy_f32 = dy_f32 + dy_low_tile.astype(ct.float32)
         decayed_products = decay * products                                               # D_ts (dy_t . x_s)
         into = ct.where(carried, ct.exp2(g), 0.0)
-        # The same pairs as the columns kernel's, so that the pairs with s >= u cancel exactly.
+        # The columns kernel's pairs, transposed: the pairs with s >= u cancel to fp32 rounding
+        # (the two mma sum dy . x and c . b in their own orders).
         pairs = decayed_products * dt_tile[None, :] * scores
 
         # The entry state: received by t >= u (dl), and dc's first term.
