@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh dd_fused 1 GPU, ~9 minutes: experiment 55 (dd in the columns kernel) timed, every
+#                                           backward GPU test, host against GPU time
 #   bash benchmarks/device_check.sh fifteenth 1 GPU, ~10 minutes: experiment 54's variant timed; the layer op's fp16 / fp32 backward tests, the mamba_ssm
 #                                           comparison and state 512 on the two chunk_grads kernels
 #   bash benchmarks/device_check.sh tilegym_vs_ours 1 GPU, ~9 minutes: tilegym's backward next to ours in one process
@@ -62,6 +64,23 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
 case "${1:-tests}" in
+dd_fused)
+  # Experiment 55: dd's sum of dy * x in chunk_grads' columns kernel (no separate reduction),
+  # on experiment 54's [s, t] columns kernel: the backward timed (run53: 1.468 / 2.631 ms before),
+  # every backward GPU test in five processes side by side, then host and GPU time per step.
+  limit=${LIMIT_S:-290}
+  (cd benchmarks/variants && timeout 100 python3 chunk_grads_split.py split) > "$out/split.log" 2>&1
+  grep -E " ms |Error" "$out/split.log" | cut -c1-400
+  backward_tests plain "chunk_backward_matches" &
+  backward_tests a "mamba_ssm or state_512" &
+  backward_tests b "layer_autograd and dtype1" &
+  backward_tests c "(layer_autograd and dtype0) or compile" &
+  backward_tests d "layer_autograd and dtype2"
+  wait
+  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abcd].log
+  timeout 90 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_backward.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_backward.log" | cut -c1-200
+  ;;
 fifteenth)
   # The next session's first call: the backward tests not yet run on the two chunk_grads kernels,
   # in three processes side by side (then `tilegym_vs_ours` in a call of its own).

@@ -97,7 +97,11 @@ def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
         ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
         dxs, *rest = chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx,
                                            chunk_size=chunk_size)
-        return input_grad(dxs, weight.to(dtype), dy, skip, x.dtype), *rest
+        dskip = None
+        if skip is not None:
+            dskip = (dy.to(dtype) * x.to(dtype)).sum((0, 1))
+            dskip = dskip.sum(1, keepdim=True) if skip.shape[1] == 1 else dskip
+        return input_grad(dxs, weight.to(dtype), dy, skip, x.dtype), *rest, dskip
 
     scan = functools.partial(scan_reference, dtype=dtype, chunk_size=chunk_size, chunk_states=True)
     return Kernels(scan, chunk_grads, chunk_size)
@@ -112,9 +116,10 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     [num_sequences, ...] or None. dy_low (like dy, or None): what rounding dy to x's dtype left
     out, which chunk_grads adds back where dy meets x and the states (the reversed scan takes dy
     alone: experiment 48 found its rounding harmless).
-    -> (dx, dB, dC, ddt, dA, dinitial_states or None, y or None): dx = dt_t dh_t b_t + skip * dy_t
-    in x's dtype (skip [heads, 1] or [heads, head_size], or None), the rest in the accumulation
-    dtype (fp32, or fp64 for fp64 inputs); y (the forward's) when ``want_y``."""
+    -> (dx, dB, dC, ddt, dA, dinitial_states or None, dskip or None, y or None): dx = dt_t dh_t b_t
+    + skip * dy_t in x's dtype (skip [heads, 1] or [heads, head_size], or None; dskip like it),
+    the rest in the accumulation dtype (fp32, or fp64 for fp64 inputs); y (the forward's) when
+    ``want_y``."""
     batch, tokens, heads, _ = x.shape
     acc = torch.promote_types(x.dtype, torch.float32)
     scan = kernels.scan
@@ -146,7 +151,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     else:
         rev = _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, per_sequence_init)
     dh_first, dh_starts = rev[1], rev[2]
-    dx, ddt_input, dl, dB, dC = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip, dy_low)
+    dx, ddt_input, dl, dB, dC, dskip = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip, dy_low)
     if per_sequence_init:
         edges = sequence_edge_terms(x, B, C, dy if dy_low is None else dy.to(acc) + dy_low.to(acc), dt, log_decay,
                                     cu_seqlens, seq_idx, initial_states, rev_init.flip(0))
@@ -170,7 +175,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
         dinit = dinit[:1]
     elif no_init:
         dinit = None
-    return dx, dB, dC, ddt, dA, dinit, (y if want_y else None)
+    return dx, dB, dC, ddt, dA, dinit, dskip, (y if want_y else None)
 
 
 def _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, outputs):
@@ -320,28 +325,23 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
     dt = process_dt(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
     dout = dout.to(acc)
-    xs = x.to(acc)
     skip = None if D is None else (D.to(acc)[:, None] if D.ndim == 1 else D.to(acc))
     dy = dout
     if z is not None:
         gate = torch.sigmoid(z.to(acc))
         dy = dout * z.to(acc) * gate
-    dD = None
-    if D is not None:
-        dD = (dy * xs).sum((0, 1))
-        dD = (dD.sum(-1) if D.ndim == 1 else dD).to(D.dtype)
-
     # The gated dy is no longer x's dtype: rounded to it for the mma operands, it moved the mixer's
     # dA 1.5e-3 off float64 against mamba_ssm's 4.7e-4 (experiment 48); the rest goes along.
     dy_high = dy.to(x.dtype)
     dy_low = (dy - dy_high.to(acc)).to(x.dtype) if z is not None and x.dtype != acc else None
-    dx, dB, dC, ddt, dA, dinit, y = scan_backward(
+    dx, dB, dC, ddt, dA, dinit, dskip, y = scan_backward(
         kernels, x, A, B, C, dt, dy_high, skip, initial_states=initial_states, seq_idx=seq_idx,
         cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None,
         dy_low=dy_low)
+    dD = None if D is None else (dskip[:, 0] if D.ndim == 1 else dskip).to(D.dtype)
     dz = None
     if z is not None:
-        pre_gate = y.to(acc) if skip is None else y.to(acc) + skip * xs
+        pre_gate = y.to(acc) if skip is None else y.to(acc) + skip * x.to(acc)
         dz = (dout * pre_gate * gate * (1 + z.to(acc) * (1 - gate))).to(z.dtype)
     ddt_raw = ddt * process_dt_slope(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
     ddt_bias = None if dt_bias is None else ddt_raw.sum((0, 1)).to(dt_bias.dtype)
@@ -354,9 +354,9 @@ def chunk_backward(kernels, x, a, b, c, d, dt, init_state, dout, dfinal_state):
     dx, db, dc in x's dtype, ddt in dt's, da, dd and dinit_state in fp32 (fp64 for fp64 inputs);
     dinit_state is zeros when init_state is None."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    dx, db, dc, ddt, da, dinit, _ = scan_backward(kernels, x, a, b, c, dt, dout, d.to(acc)[:, None],
-                                                  initial_states=init_state, dfinal_states=dfinal_state)
-    dd = (dout * x).sum((0, 1, 3), dtype=acc)
+    dx, db, dc, ddt, da, dinit, dskip, _ = scan_backward(kernels, x, a, b, c, dt, dout, d.to(acc)[:, None],
+                                                         initial_states=init_state, dfinal_states=dfinal_state)
+    dd = dskip[:, 0]
     if dinit is None:
         batch, _, heads, head_size = x.shape
         dinit = torch.zeros(batch, heads, head_size, b.shape[3], dtype=acc, device=x.device)

@@ -61,11 +61,13 @@ def _shared_by_heads(b, c, seq_idx, batch, chunk, group, tokens, chunk_size, sta
 
 @ct.kernel(occupancy=1)
 def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx,
-                               d, dx, ddt_input, dl, db, chunk_size: ct.Constant[int], head_size: ct.Constant[int],
+                               d, dx, ddt_input, dl, db, dd, chunk_size: ct.Constant[int], head_size: ct.Constant[int],
                                state_size: ct.Constant[int], has_seq: ct.Constant[bool],
                                has_dy_low: ct.Constant[bool], skip_mode: ct.Constant[int], block_heads: int):
     """Each token s as a sender: dx, ddt_input, db (summed over the block's heads) and dl's terms
-    from s < u (written to dl; the rows kernel adds the receivers' terms).
+    from s < u (written to dl; the rows kernel adds the receivers' terms); with a skip, dd's sum
+    of dy * x over the chunk's tokens (dy and x are in registers here; a separate reduction read
+    them again, 0.1 / 0.25 ms on the source config / 2.7B layer, experiment 55).
 
     Its chunk-by-chunk tiles are [s, t], senders along the rows, the transpose of the rows
     kernel's: sums over receivers t become row sums and the dxs and db products take the tiles
@@ -136,6 +138,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                 dx_tile = dx_tile + ct.load(d, (head,), (1,)).reshape((1, 1)) * dy_f32
             else:
                 dx_tile = dx_tile + ct.load(d, (head, 0), (1, head_size)) * dy_f32
+            ct.store(dd, (batch, chunk, head, 0), ct.sum(x_f32 * dy_f32, axis=0).reshape((1, 1, 1, head_size)))
         ct.store(dx, (batch, chunk, head, 0), dx_tile.astype(dx.dtype).reshape((1, chunk_size, 1, head_size)))
         db_head = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
                          ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
@@ -226,7 +229,9 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     -> (dx like x, ddt_input = x . dh b and dl [batch, heads, chunks * chunk_size] fp32 (stored along
         the tokens: one [batch, tokens, heads] store per token would be strided),
         db and dc fp32 [batch, tokens, blocks, state_size], each summed over a block of one
-        group's heads (block_heads_for), to be summed over each group's blocks)."""
+        group's heads (block_heads_for), to be summed over each group's blocks,
+        dd = the sum of dy * x over each chunk's tokens, fp32 [batch, chunks, heads, head_size],
+        or None without d)."""
     batch, tokens, heads, head_size = x.shape
     state_size = b.shape[3]
     padded = dt_bht.shape[2]
@@ -237,14 +242,16 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     # Two buffers, not views of one: with one block per group they are the op's returns.
     db, dc = (new_output(batch, tokens, blocks, state_size, dtype=torch.float32, device=x.device) for _ in range(2))
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
-    grid = (batch * blocks, padded // chunk_size)
+    chunks = padded // chunk_size
+    dd = None if d is None else new_output(batch, chunks, heads, head_size, dtype=torch.float32, device=x.device)
+    grid = (batch * blocks, chunks)
     dy_low = dy if dy_low is None else dy_low
     seq = dl if seq_idx is None else seq_idx
     launch(grid, chunk_grads_columns_kernel,
            (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq,
-            dl if d is None else d, dx, ddt_input, dl, db, chunk_size, head_size, state_size, seq_idx is not None,
-            dy_low is not dy, skip_mode, block_heads))
+            dl if d is None else d, dx, ddt_input, dl, db, dl if dd is None else dd, chunk_size, head_size,
+            state_size, seq_idx is not None, dy_low is not dy, skip_mode, block_heads))
     launch(grid, chunk_grads_rows_kernel,
            (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq, dl, dc, chunk_size, head_size,
             state_size, seq_idx is not None, dy_low is not dy, block_heads))
-    return dx, ddt_input, dl, db, dc
+    return dx, ddt_input, dl, db, dc, dd

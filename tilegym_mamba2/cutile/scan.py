@@ -72,21 +72,26 @@ def reversed_scan(dy, c, forward_states, dfinal_states):
 def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip, dy_low=None):
     """From the forward scan's and the reversed scan's chunk states -> (dx = dt * dh b + skip * dy
     like x, ddt_input = x . dh b and dl [batch, tokens, heads] fp32, db and dc [batch, tokens,
-    groups, state_size] fp32); skip [heads, 1] or [heads, head_size] or None; dy_low: what rounding
-    dy to x's dtype left out, or None (backward.scan_backward)."""
+    groups, state_size] fp32, dskip = the sum of dy * x like skip, fp32, or None); skip [heads, 1]
+    or [heads, head_size] or None; dy_low: what rounding dy to x's dtype left out, or None
+    (backward.scan_backward)."""
     entry_states, decay_cumsum, weight_bht = forward_states
     rev_entry_states = reverse_states[0]
     groups = b.shape[2]
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
+    per_head = skip is not None and skip.shape[1] == 1
     if skip is not None:
-        skip = (skip[:, 0] if skip.shape[1] == 1 else skip).to(torch.float32).contiguous()
-    dx, ddt_input, dl, db, dc = chunk_grads_kernel(
+        skip = (skip[:, 0] if per_head else skip).to(torch.float32).contiguous()
+    dx, ddt_input, dl, db, dc, dd = chunk_grads_kernel(
         x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(),
         None if dy_low is None else dy_low.contiguous(), weight_bht, decay_cumsum, entry_states,
         rev_entry_states, seq, skip, 64)
     tokens = x.shape[1]
     ddt_input, dl = (t[:, :, :tokens].transpose(1, 2).contiguous() for t in (ddt_input, dl))
-    return dx, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups)
+    dskip = None if dd is None else dd.sum((0, 1))
+    if per_head:
+        dskip = dskip.sum(1, keepdim=True)
+    return dx, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups), dskip
 
 
 KERNELS = Kernels(scan, chunk_grads, reversed_scan=reversed_scan)
