@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh dd_trace 1 GPU, ~8 minutes: experiment 56 (dd per head as a trace) timed, the backward
+#                                           GPU tests that reach it, host against GPU time (logs in logs.tgz)
 #   bash benchmarks/device_check.sh dd_fused 1 GPU, ~9 minutes: experiment 55 (dd in the columns kernel) timed, every
 #                                           backward GPU test, host against GPU time
 #   bash benchmarks/device_check.sh fifteenth 1 GPU, ~10 minutes: experiment 54's variant timed; the layer op's fp16 / fp32 backward tests, the mamba_ssm
@@ -64,6 +66,23 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
 case "${1:-tests}" in
+dd_trace)
+  # Experiment 56: dd per head as the trace of the columns kernel's x_s . dy_t products (no sum
+  # across warps of x * dy): the backward timed (run54: columns 0.376 / 0.893 ms, backward
+  # 1.218 / 2.536), the backward GPU tests that reach it in four processes, host and GPU time.
+  limit=${LIMIT_S:-250}
+  (cd benchmarks/variants && timeout 100 python3 chunk_grads_split.py split) > "$out/split.log" 2>&1
+  grep -E " ms |Error" "$out/split.log" | cut -c1-400
+  backward_tests plain "chunk_backward_matches" &
+  backward_tests a "mamba_ssm" &
+  backward_tests b "layer_autograd and dtype1" &
+  backward_tests c "(layer_autograd and dtype0) or compile"
+  wait
+  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abc].log
+  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_backward.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_backward.log" | cut -c1-200
+  tar -C "$out" -czf "$out/logs.tgz" --exclude=logs.tgz . && find "$out" -name "*.log" -delete
+  ;;
 dd_fused)
   # Experiment 55: dd's sum of dy * x in chunk_grads' columns kernel (no separate reduction),
   # on experiment 54's [s, t] columns kernel: the backward timed (run53: 1.468 / 2.631 ms before),

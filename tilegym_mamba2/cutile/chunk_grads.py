@@ -86,6 +86,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
     same = ct.transpose(same)                                                              # [s, t]
     scores = ct.mma(b_tile, ct.transpose(c_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
+    token = ct.arange(chunk_size, dtype=ct.int32)
     # db summed over the block's heads in fp32: one store per block, not a rounded one per head
     # (the group's sum can cancel, and per-head stores moved heads x the bytes).
     db_sum = ct.zeros((chunk_size, state_size), dtype=ct.float32)
@@ -111,6 +112,12 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
             dy_low_tile = ct.load(dy_low, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
                                   padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
             products = ct.mma(x_tile, ct.transpose(dy_low_tile), products)
+        if skip_mode == SKIP_PER_HEAD:
+            # dd of a head: the trace of x_s . dy_t, row sums in the warps (a sum over the chunk's
+            # tokens of x * dy runs across them: experiment 56).
+            diagonal = ct.where(token[:, None] == token[None, :], products, 0.0)
+            ct.store(dd, (batch, chunk, head), ct.sum(ct.sum(diagonal, axis=1), axis=0, keepdims=True).reshape(
+                (1, 1, 1)))
         decayed_products = decay * products                                               # D_ts (dy_t . x_s)
         from_end = ct.where(going_on, ct.exp2(g_end - g), 0.0)
         # dl from pairs s < u <= t: the rows kernel's sum over t >= u of what t receives, less the
@@ -138,7 +145,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                 dx_tile = dx_tile + ct.load(d, (head,), (1,)).reshape((1, 1)) * dy_f32
             else:
                 dx_tile = dx_tile + ct.load(d, (head, 0), (1, head_size)) * dy_f32
-            ct.store(dd, (batch, chunk, head, 0), ct.sum(x_f32 * dy_f32, axis=0).reshape((1, 1, 1, head_size)))
+                ct.store(dd, (batch, chunk, head, 0), ct.sum(x_f32 * dy_f32, axis=0).reshape((1, 1, 1, head_size)))
         ct.store(dx, (batch, chunk, head, 0), dx_tile.astype(dx.dtype).reshape((1, chunk_size, 1, head_size)))
         db_head = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
                          ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
@@ -230,8 +237,8 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
         the tokens: one [batch, tokens, heads] store per token would be strided),
         db and dc fp32 [batch, tokens, blocks, state_size], each summed over a block of one
         group's heads (block_heads_for), to be summed over each group's blocks,
-        dd = the sum of dy * x over each chunk's tokens, fp32 [batch, chunks, heads, head_size],
-        or None without d)."""
+        dd = the sum of dy * x over each chunk's tokens, fp32 [batch, chunks, heads] for d per head,
+        [batch, chunks, heads, head_size] per channel, None without d)."""
     batch, tokens, heads, head_size = x.shape
     state_size = b.shape[3]
     padded = dt_bht.shape[2]
@@ -243,7 +250,7 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     db, dc = (new_output(batch, tokens, blocks, state_size, dtype=torch.float32, device=x.device) for _ in range(2))
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
     chunks = padded // chunk_size
-    dd = None if d is None else new_output(batch, chunks, heads, head_size, dtype=torch.float32, device=x.device)
+    dd = None if d is None else new_output(batch, chunks, heads, *d.shape[1:], dtype=torch.float32, device=x.device)
     grid = (batch * blocks, chunks)
     dy_low = dy if dy_low is None else dy_low
     seq = dl if seq_idx is None else seq_idx

@@ -90,7 +90,7 @@ def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip, dy_l
     ddt_input, dl = (t[:, :, :tokens].transpose(1, 2).contiguous() for t in (ddt_input, dl))
     dskip = None if dd is None else dd.sum((0, 1))
     if per_head:
-        dskip = dskip.sum(1, keepdim=True)
+        dskip = dskip[:, None]
     return dx, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups), dskip
 
 
