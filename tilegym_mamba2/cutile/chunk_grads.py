@@ -5,8 +5,8 @@ head, and dc, db summed over a block's heads in fp32. Two kernels, each one bloc
 chunk, a few heads of one group), head by head: the columns kernel takes each token as a sender
 (dx, ddt_input, db, dl's terms of tokens before u), then the rows kernel each token as a
 receiver (dc, dl's terms of tokens from u on, added to dl). One kernel doing both took 0.85 ms
-where the two take 0.51 on the source config, 2.06 against 1.20 on the 2.7B layer (experiments
-53 and 54, run52 and run53).
+where the two take 0.52 on the source config, 2.06 against 1.22 on the 2.7B layer, dd's sum
+included (experiments 53-56, run52-run56).
 
 Summing per-token terms of the forward and backward outputs over the rest of the sequence
 gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
@@ -66,8 +66,9 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                                has_dy_low: ct.Constant[bool], skip_mode: ct.Constant[int], block_heads: int):
     """Each token s as a sender: dx, ddt_input, db (summed over the block's heads) and dl's terms
     from s < u (written to dl; the rows kernel adds the receivers' terms); with a skip, dd's sum
-    of dy * x over the chunk's tokens (dy and x are in registers here; a separate reduction read
-    them again, 0.1 / 0.25 ms on the source config / 2.7B layer, experiment 55).
+    of dy * x over the chunk's tokens (dy and x are in registers here: a separate reduction that
+    read them again made the backward 0.25 / 0.10 ms slower on the source config / 2.7B layer,
+    experiment 55).
 
     Its chunk-by-chunk tiles are [s, t], senders along the rows, the transpose of the rows
     kernel's: sums over receivers t become row sums and the dxs and db products take the tiles
