@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh glue57 1 GPU, ~8 minutes: experiment 57's patch (the backward's torch glue in kernels)
+#                                           timed before and after, then the backward GPU tests on it (logs in logs.tgz)
 #   bash benchmarks/device_check.sh dd_trace 1 GPU, ~8 minutes: experiment 56 (dd per head as a trace) timed, the backward
 #                                           GPU tests that reach it, host against GPU time (logs in logs.tgz)
 #   bash benchmarks/device_check.sh dd_fused 1 GPU, ~9 minutes: experiment 55 (dd in the columns kernel) timed, every
@@ -66,6 +68,27 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
 case "${1:-tests}" in
+glue57)
+  # Experiment 57 (prepared without a GPU, a patch on ccf8966's package): the backward's torch
+  # glue in kernels. Host and GPU time per step before and after applying the patch (two
+  # processes, same machine), then the backward GPU tests on the patched code (the layer op's
+  # cu_seqlens and per_sequence_init cases take the sequence-edge path, seq_idx the flipped scan).
+  limit=${LIMIT_S:-250}
+  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_before.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_before.log" | cut -c1-200
+  patch=benchmarks/variants/experiment57_glue_into_kernels.patch
+  git apply "$patch" 2>/dev/null || patch -p1 < "$patch" || { echo "the patch did not apply"; exit 1; }
+  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_after.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_after.log" | cut -c1-200
+  backward_tests plain "chunk_backward_matches" &
+  backward_tests a "mamba_ssm or state_512" &
+  backward_tests b "layer_autograd and dtype1" &
+  backward_tests c "(layer_autograd and dtype0) or compile"
+  wait
+  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abc].log
+  # one file back: the device tool brings back at most 8
+  tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
+  ;;
 dd_trace)
   # Experiment 56: dd per head as the trace of the columns kernel's x_s . dy_t products (no sum
   # across warps of x * dy): the backward timed (run54: columns 0.376 / 0.893 ms, backward
