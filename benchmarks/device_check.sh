@@ -67,6 +67,21 @@ backward_tests() {  # backward_tests NAME EXPR: tests/test_backward_gpu.py -k EX
   TILEGYM_MAMBA2_GRAD_LOG="$out/grad_errors_$1.log" timeout -s INT "$limit" python3 -m pytest -q -m gpu \
     tests/test_backward_gpu.py -k "$2" -p no:cacheprovider --tb=short -rfE > "$out/gpu_backward_$1.log" 2>&1
 }
+host_vs_gpu() {  # host_vs_gpu NAME: variants/host_vs_gpu_backward.py to host_vs_gpu_NAME.log, its bench lines
+  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_$1.log" 2>&1
+  grep -E " bench |Error" "$out/host_vs_gpu_$1.log" | cut -c1-200
+}
+four_test_processes() {  # four_test_processes EXPR: the plain op; EXPR (next to mamba_ssm, ...); layer fp32; bf16 + compile
+  backward_tests plain "chunk_backward_matches" &
+  backward_tests a "$1" &
+  backward_tests b "layer_autograd and dtype1" &
+  backward_tests c "(layer_autograd and dtype0) or compile"
+  wait
+  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abc].log
+}
+archive_logs() {  # one file back: the device tool brings back at most 8
+  tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
+}
 case "${1:-tests}" in
 glue57)
   # Experiment 57 (prepared without a GPU, a patch on ccf8966's package): the backward's torch
@@ -74,20 +89,12 @@ glue57)
   # processes, same machine), then the backward GPU tests on the patched code (the layer op's
   # cu_seqlens and per_sequence_init cases take the sequence-edge path, seq_idx the flipped scan).
   limit=${LIMIT_S:-250}
-  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_before.log" 2>&1
-  grep -E " bench |Error" "$out/host_vs_gpu_before.log" | cut -c1-200
+  host_vs_gpu before
   patch=benchmarks/variants/experiment57_glue_into_kernels.patch
   git apply "$patch" 2>/dev/null || patch -p1 < "$patch" || { echo "the patch did not apply"; exit 1; }
-  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_after.log" 2>&1
-  grep -E " bench |Error" "$out/host_vs_gpu_after.log" | cut -c1-200
-  backward_tests plain "chunk_backward_matches" &
-  backward_tests a "mamba_ssm or state_512" &
-  backward_tests b "layer_autograd and dtype1" &
-  backward_tests c "(layer_autograd and dtype0) or compile"
-  wait
-  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abc].log
-  # one file back: the device tool brings back at most 8
-  tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
+  host_vs_gpu after
+  four_test_processes "mamba_ssm or state_512"
+  archive_logs
   ;;
 dd_trace)
   # Experiment 56: dd per head as the trace of the columns kernel's x_s . dy_t products (no sum
@@ -96,16 +103,9 @@ dd_trace)
   limit=${LIMIT_S:-250}
   (cd benchmarks/variants && timeout 100 python3 chunk_grads_split.py split) > "$out/split.log" 2>&1
   grep -E " ms |Error" "$out/split.log" | cut -c1-400
-  backward_tests plain "chunk_backward_matches" &
-  backward_tests a "mamba_ssm" &
-  backward_tests b "layer_autograd and dtype1" &
-  backward_tests c "(layer_autograd and dtype0) or compile"
-  wait
-  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abc].log
-  timeout 80 python3 benchmarks/variants/host_vs_gpu_backward.py > "$out/host_vs_gpu_backward.log" 2>&1
-  grep -E " bench |Error" "$out/host_vs_gpu_backward.log" | cut -c1-200
-  # one file back: the device tool brings back at most 8
-  tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
+  four_test_processes "mamba_ssm"
+  host_vs_gpu backward
+  archive_logs
   ;;
 dd_fused)
   # Experiment 55: dd's sum of dy * x in chunk_grads' columns kernel (no separate reduction),
