@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh walk_hints 1 GPU, ~3 minutes: experiment 58 (latency hints on the walk's loop loads) timed
 #   bash benchmarks/device_check.sh glue57 1 GPU, ~8 minutes: experiment 57's patch (the backward's torch glue in kernels)
 #                                           timed before and after, then the backward GPU tests on it (logs in logs.tgz)
 #   bash benchmarks/device_check.sh dd_trace 1 GPU, ~8 minutes: experiment 56 (dd per head as a trace) timed, the backward
@@ -83,6 +84,12 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+walk_hints)
+  # Experiment 58: the chunk-state walk's loop loads with latency hints (1, 3, 6, 10) against the
+  # package's (none), forwards and in reverse, same process; each must give the package's bits.
+  (cd benchmarks/variants && timeout 300 python3 walk_latency.py) > "$out/walk_latency.log" 2>&1
+  grep -E " ms |Error|BITS" "$out/walk_latency.log" | cut -c1-300
+  ;;
 glue57)
   # Experiment 57 (prepared without a GPU, a patch on ccf8966's package): the backward's torch
   # glue in kernels. Host and GPU time per step before and after applying the patch (two
