@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh autograd_host 1 GPU, ~2 minutes: experiment 59 (the autograd step's host time, split up)
 #   bash benchmarks/device_check.sh walk_hints 1 GPU, ~3 minutes: experiment 58 (latency hints on the walk's loop loads) timed
 #   bash benchmarks/device_check.sh glue57 1 GPU, ~8 minutes: experiment 57's patch (the backward's torch glue in kernels)
 #                                           timed before and after, then the backward GPU tests on it (logs in logs.tgz)
@@ -84,6 +85,12 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+autograd_host)
+  # Experiment 59: where the autograd step's extra host time goes (main vs worker thread, the
+  # engine alone, a trivial Function on CUDA tensors), source config.
+  timeout 200 python3 benchmarks/variants/autograd_host_cost.py > "$out/autograd_host_cost.log" 2>&1
+  grep -E "ms/step|Error" "$out/autograd_host_cost.log" | cut -c1-200
+  ;;
 walk_hints)
   # Experiment 58: the chunk-state walk's loop loads with latency hints (1, 3, 6, 10) against the
   # package's (none), forwards and in reverse, same process; each must give the package's bits.
