@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh sixteenth 1 GPU, ~5 minutes: walk_hints, then autograd_host (the next session's first call)
 #   bash benchmarks/device_check.sh autograd_host 1 GPU, ~2 minutes: experiment 59 (the autograd step's host time, split up)
 #   bash benchmarks/device_check.sh walk_hints 1 GPU, ~3 minutes: experiment 58 (latency hints on the walk's loop loads) timed
 #   bash benchmarks/device_check.sh glue57 1 GPU, ~8 minutes: experiment 57's patch (the backward's torch glue in kernels)
@@ -85,6 +86,12 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+sixteenth)
+  # The next session's first call: experiments 58 and 59 (timings only, ~5 minutes), then
+  # `glue57` in a call of its own (~8 minutes: a patch, timed, then the backward GPU tests).
+  bash "$0" walk_hints
+  bash "$0" autograd_host
+  ;;
 autograd_host)
   # Experiment 59: where the autograd step's extra host time goes (main vs worker thread, the
   # engine alone, a trivial Function on CUDA tensors), source config.
