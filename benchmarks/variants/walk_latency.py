@@ -12,13 +12,12 @@ and final state must be the package's bits; timed forwards (the backward's scan)
     python benchmarks/variants/walk_latency.py --resources [variant ...]   (CPU: what each compiles to
         at the 2.7B layer's JIT signatures, kernel_remarks.py)
 """
-import importlib.util
 import pathlib
 import sys
-import tempfile
 
 import torch
 
+from chunk_grads_split import module_from  # this folder's
 from tilegym_mamba2.cutile import scan
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -36,16 +35,8 @@ LOOP_LOADS = (  # (text before the hint, text after it) of each load inside the 
 
 def hinted(latency):
     """The package's walk module with ``latency`` on every loop load (None: as it is)."""
-    text = PACKAGE.read_text().replace("from .", "from tilegym_mamba2.cutile.")
-    for before, after in LOOP_LOADS if latency else ():
-        assert text.count(before + after) == 1, before
-        text = text.replace(before + after, f"{before}, latency={latency}{after}")
-    copy = pathlib.Path(tempfile.mkdtemp()) / PACKAGE.name
-    copy.write_text(text)
-    spec = importlib.util.spec_from_file_location(copy.stem, copy)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    edits = [(before + after, f"{before}, latency={latency}{after}") for before, after in LOOP_LOADS] if latency else []
+    return module_from(PACKAGE, edits)
 
 
 VARIANTS = {"package": None, "latency1": 1, "latency3": 3, "latency6": 6, "latency10": 10}
