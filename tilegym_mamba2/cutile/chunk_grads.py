@@ -59,6 +59,18 @@ def _shared_by_heads(b, c, seq_idx, batch, chunk, group, tokens, chunk_size, sta
     return b_tile, c_tile, same, carried, going_on
 
 
+@ct.function
+def _head_tiles(x, dy, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, head_size):
+    """One head's x, dy, dt and decay sums in the chunk."""
+    x_tile = ct.load(x, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                     padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+    dy_tile = ct.load(dy, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
+                      padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
+    dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+    g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+    return x_tile, dy_tile, dt_tile, g
+
+
 @ct.kernel(occupancy=1)
 def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx,
                                d, dx, ddt_input, dl, db, dd, chunk_size: ct.Constant[int], head_size: ct.Constant[int],
@@ -94,12 +106,8 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
 
     for i in range(block_heads):
         head = block * block_heads + i
-        x_tile = ct.load(x, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
-        dy_tile = ct.load(dy, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
-        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
-        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        x_tile, dy_tile, dt_tile, g = _head_tiles(x, dy, dt_bht, decay_cumsum, batch, chunk, head, chunk_size,
+                                                  head_size)
         g_end = ct.extract(g, (chunk_size - 1,), (1,))
         # The decay into the next chunk's first token (none after the last chunk). Where a sequence
         # ends with the chunk, from_end and going_on drop every term it scales.
@@ -185,12 +193,8 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
 
     for i in range(block_heads):
         head = block * block_heads + i
-        x_tile = ct.load(x, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
-                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
-        dy_tile = ct.load(dy, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
-                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
-        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
-        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+        x_tile, dy_tile, dt_tile, g = _head_tiles(x, dy, dt_bht, decay_cumsum, batch, chunk, head, chunk_size,
+                                                  head_size)
 
         decay = ct.exp2(ct.where(same, g[:, None] - g[None, :], never))                  # D_ts
         products = ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
