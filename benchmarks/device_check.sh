@@ -33,8 +33,6 @@
 #   bash benchmarks/device_check.sh sixteenth 1 GPU, ~5 minutes: walk_hints, then autograd_host (the next session's first call)
 #   bash benchmarks/device_check.sh autograd_host 1 GPU, ~2 minutes: experiment 59 (the autograd step's host time, split up)
 #   bash benchmarks/device_check.sh walk_hints 1 GPU, ~3 minutes: experiment 58 (latency hints on the walk's loop loads) timed
-#   bash benchmarks/device_check.sh glue57 1 GPU, ~8 minutes: experiment 57's patch (the backward's torch glue in kernels)
-#                                           timed before and after, then the backward GPU tests on it (logs in logs.tgz)
 #   bash benchmarks/device_check.sh dd_trace 1 GPU, ~8 minutes: experiment 56 (dd per head as a trace) timed, the backward
 #                                           GPU tests that reach it, host against GPU time (logs in logs.tgz)
 #   bash benchmarks/device_check.sh dd_fused 1 GPU, ~9 minutes: experiment 55 (dd in the columns kernel) timed, every
@@ -87,8 +85,9 @@ archive_logs() {  # one file back: the device tool brings back at most 8
 }
 case "${1:-tests}" in
 sixteenth)
-  # The next session's first call: experiments 58 and 59 (timings only, ~5 minutes), then
-  # `glue57` in a call of its own (~8 minutes: a patch, timed, then the backward GPU tests).
+  # The sixteenth session's first call (run58): experiments 58 and 59, timings only. Its second
+  # (run59) timed experiment 57's patch before and after and ran the backward GPU tests on it: the
+  # mode `glue57` at 28f2e02, the patch being in the package since.
   bash "$0" walk_hints
   bash "$0" autograd_host
   ;;
@@ -103,19 +102,6 @@ walk_hints)
   # package's (none), forwards and in reverse, same process; each must give the package's bits.
   (cd benchmarks/variants && timeout 300 python3 walk_latency.py) > "$out/walk_latency.log" 2>&1
   grep -E " ms |Error|BITS" "$out/walk_latency.log" | cut -c1-300
-  ;;
-glue57)
-  # Experiment 57 (prepared without a GPU, a patch on ccf8966's package): the backward's torch
-  # glue in kernels. Host and GPU time per step before and after applying the patch (two
-  # processes, same machine), then the backward GPU tests on the patched code (the layer op's
-  # cu_seqlens and per_sequence_init cases take the sequence-edge path, seq_idx the flipped scan).
-  limit=${LIMIT_S:-250}
-  host_vs_gpu before
-  patch=benchmarks/variants/experiment57_glue_into_kernels.patch
-  git apply "$patch" 2>/dev/null || patch -p1 < "$patch" || { echo "the patch did not apply"; exit 1; }
-  host_vs_gpu after
-  four_test_processes "mamba_ssm or state_512"
-  archive_logs
   ;;
 dd_trace)
   # Experiment 56: dd per head as the trace of the columns kernel's x_s . dy_t products (no sum

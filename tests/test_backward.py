@@ -314,7 +314,7 @@ def test_backward_kernels_compile_ahead_of_time():
         names = {name for name, _, _ in results}
         # The plain op needs only chunk states, both scans' from the walk; the layer op's z needs
         # the forward's outputs, and its packed sequences the state pass.
-        grads = {"chunk_grads_columns_kernel", "chunk_grads_rows_kernel"}
+        grads = {"given_decay_cumsum_kernel", "chunk_grads_columns_kernel", "chunk_grads_rows_kernel"}
         expected = {"chunk_states_walk_kernel"} | grads
         if layer is not None:
             expected = {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel", "varlen_states_kernel"} | grads
@@ -444,7 +444,7 @@ def test_gated_dy_keeps_what_its_rounding_left_out():
     from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
 
     kernels = pytorch_kernels(torch.float32)
-    high_only = Kernels(kernels.scan, lambda *args: kernels.chunk_grads(*args[:8]), kernels.chunk_size)
+    high_only = Kernels(kernels.scan, lambda *args: kernels.chunk_grads(*args[:9]), kernels.chunk_size)
     errors = {"split": [], "high only": []}
     for seed in (1, 2, 3):
         g = torch.Generator().manual_seed(seed)

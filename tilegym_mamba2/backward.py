@@ -86,7 +86,7 @@ class Kernels(NamedTuple):
 
 def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
     """The pytorch backend's: scan_reference and chunk_grads_reference in ``dtype``."""
-    def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip, dy_low=None):
+    def chunk_grads(x, b, c, dy, a, seq_idx, forward_states, reverse_states, skip, dy_low=None):
         if dy_low is not None:
             dy = dy.to(dtype) + dy_low.to(dtype)
         entry, weight, log_decay = forward_states
@@ -95,13 +95,15 @@ def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
         # Chunk k ends where reversed chunk K-1-k starts: dS = exp(its first decay) * its entry state.
         first = rev_decay[:, ::chunk_size][:, :chunks].to(dtype)                     # [batch, chunks, heads]
         ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
-        dxs, *rest = chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx,
-                                           chunk_size=chunk_size)
+        dxs, ddt_input, dl, db, dc = chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx,
+                                                           chunk_size=chunk_size)
+        weight = weight.to(dtype)
         dskip = None
         if skip is not None:
             dskip = (dy.to(dtype) * x.to(dtype)).sum((0, 1))
             dskip = dskip.sum(1, keepdim=True) if skip.shape[1] == 1 else dskip
-        return input_grad(dxs, weight.to(dtype), dy, skip, x.dtype), *rest, dskip
+        return (input_grad(dxs, weight, dy, skip, x.dtype), ddt_input + a * dl, (weight * dl).sum((0, 1)), db, dc,
+                dskip)
 
     scan = functools.partial(scan_reference, dtype=dtype, chunk_size=chunk_size, chunk_states=True)
     return Kernels(scan, chunk_grads, chunk_size)
@@ -151,15 +153,14 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     else:
         rev = _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, per_sequence_init)
     dh_first, dh_starts = rev[1], rev[2]
-    dx, ddt_input, dl, dB, dC, dskip = kernels.chunk_grads(x, B, C, dy, seq_idx, states, rev[3], skip, dy_low)
-    if per_sequence_init:
+    dx, ddt, dA, dB, dC, dskip = kernels.chunk_grads(x, B, C, dy, A.to(acc), seq_idx, states, rev[3], skip, dy_low)
+    if per_sequence_init:  # ddt and dA are linear in dl
         edges = sequence_edge_terms(x, B, C, dy if dy_low is None else dy.to(acc) + dy_low.to(acc), dt, log_decay,
                                     cu_seqlens, seq_idx, initial_states, rev_init.flip(0))
         dx = torch.addcmul(dx.to(acc), edges.dxs, dt[..., None]).to(x.dtype)
-        ddt_input = ddt_input + (x.to(acc) * edges.dxs).sum(-1)
-        dl, dB, dC = dl + edges.dl, dB + edges.db, dC + edges.dc
-    ddt = ddt_input + A.to(acc) * dl
-    dA = (dt * dl).sum((0, 1))
+        ddt = ddt + (x.to(acc) * edges.dxs).sum(-1) + A.to(acc) * edges.dl
+        dA = dA + (dt * edges.dl).sum((0, 1))
+        dB, dC = dB + edges.db, dC + edges.dc
 
     dinit = None
     if initial_states is not None:

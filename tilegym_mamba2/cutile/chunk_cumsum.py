@@ -48,6 +48,19 @@ def chunk_cumsum_kernel(dt, a, dt_bias, dt_bht, decay_cumsum,
              ct.transpose(cumsum).reshape((1, heads_tile, chunk_size)))
 
 
+@ct.kernel
+def given_decay_cumsum_kernel(weight, log_decay, weight_bht, decay_cumsum, chunk_size: ct.Constant[int],
+                              heads_tile: ct.Constant[int]):
+    chunk, head_tile, batch = ct.bid(0), ct.bid(1), ct.bid(2)
+    shape = (chunk_size, heads_tile)
+    weight_tile = ct.load(weight, (batch, chunk, head_tile), (1, *shape), padding_mode=ct.PaddingMode.ZERO)
+    decay_tile = ct.load(log_decay, (batch, chunk, head_tile), (1, *shape), padding_mode=ct.PaddingMode.ZERO)
+    cumsum = ct.cumsum(decay_tile.reshape(shape), axis=0) * LOG2E
+    ct.store(weight_bht, (batch, head_tile, chunk), ct.transpose(weight_tile.reshape(shape)).reshape(
+        (1, heads_tile, chunk_size)))
+    ct.store(decay_cumsum, (batch, head_tile, chunk), ct.transpose(cumsum).reshape((1, heads_tile, chunk_size)))
+
+
 @ct.function
 def _log1p(e):
     # log(1 + e) without losing small e to the rounding of 1 + e (there is no log1p in cuTile):
@@ -74,6 +87,21 @@ def chunk_cumsum(dt: torch.Tensor, a: torch.Tensor, chunk_size: int, *, dt_bias=
            (dt, a, a if dt_bias is None else dt_bias, dt_bht, decay_cumsum, chunk_size, heads_tile,
             dt_bias is not None, bool(softplus), dt_limit is not None, float(low), float(high)))
     return dt_bht, decay_cumsum
+
+
+def given_decay_cumsum(weight: torch.Tensor, log_decay: torch.Tensor, chunk_size: int):
+    """The same layout for the backward's scans, whose weight and log decay are given rather than
+    dt and a * dt: weight, log_decay [batch, tokens, heads] fp32 -> (weight_bht, decay_cumsum),
+    both [batch, heads, num_chunks * chunk_size] fp32, padded tokens weight 0 and no decay (as
+    torch ops: a fill, two transposing copies, a cumsum and a scaling, experiment 57)."""
+    batch, tokens, heads = weight.shape
+    num_chunks = -(-tokens // chunk_size)
+    weight_bht, decay_cumsum = new_output(2, batch, heads, num_chunks * chunk_size, dtype=torch.float32,
+                                          device=weight.device).unbind(0)
+    heads_tile = heads_tile_for(heads, chunk_size)
+    launch((num_chunks, -(-heads // heads_tile), batch), given_decay_cumsum_kernel,
+           (weight, log_decay, weight_bht, decay_cumsum, chunk_size, heads_tile))
+    return weight_bht, decay_cumsum
 
 
 def heads_tile_for(heads: int, chunk_size: int) -> int:

@@ -173,12 +173,14 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
 
 
 @ct.kernel(occupancy=1)
-def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq_idx, dl, dc,
+def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq_idx, a, dl, ddt, da, dc,
                             chunk_size: ct.Constant[int], head_size: ct.Constant[int],
                             state_size: ct.Constant[int], has_seq: ct.Constant[bool],
                             has_dy_low: ct.Constant[bool], block_heads: int):
     """Each token t as a receiver: dc (summed over the block's heads) and dl's terms from t >= u,
-    added to what the columns kernel left in dl."""
+    added to what the columns kernel left in dl; then, dl complete, ddt = ddt_input + a dl (in
+    place of the columns kernel's ddt_input) and da's sum of dt dl over the chunk (as torch ops
+    after the kernel: two transposes and four kernels more, experiment 57)."""
     batch_block, chunk = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     blocks = heads // block_heads
@@ -217,7 +219,10 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
         received = into * ct.sum(dy_f32 * from_state, axis=1) + ct.sum(pairs, axis=1)
         dl_tile = (ct.load(dl, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
                    + ct.sum(received, axis=0, keepdims=True) - ct.cumsum(received, axis=0) + received)
-        ct.store(dl, (batch, head, chunk), dl_tile.reshape((1, 1, chunk_size)))
+        ddt_tile = (ct.load(ddt, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
+                    + ct.load(a, (head,), (1,)) * dl_tile)
+        ct.store(ddt, (batch, head, chunk), ddt_tile.reshape((1, 1, chunk_size)))
+        ct.store(da, (batch, head, chunk), ct.sum(dt_tile * dl_tile, axis=0, keepdims=True).reshape((1, 1, 1)))
         dc_head = ct.mma(dy_tile, ct.transpose(state_t.astype(mma_dtype)),
                          ct.zeros((chunk_size, state_size), dtype=ct.float32)) * into[:, None]
         dc_sum = ct.mma((decayed_products * dt_tile[None, :]).astype(mma_dtype), b_tile, dc_sum + dc_head)
@@ -230,16 +235,19 @@ def block_heads_for(heads_per_group):
     return max(k for k in range(1, min(BLOCK_HEADS, heads_per_group) + 1) if heads_per_group % k == 0)
 
 
-def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx, d, chunk_size):
+def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx, d, a,
+                chunk_size):
     """x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
     dy_low like dy or None: what rounding dy to x's dtype left out, where dy is a product (the
     gated gradient of the layer op), added to dy in the dy . x products, the dy . (c S) terms and
     D dy (experiment 48: the mixer's dA error 1.5e-3 -> mamba_ssm's 4.7e-4 level);
     dt_bht, decay_cumsum [batch, heads, chunks * chunk_size];
     entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
-    seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None
-    -> (dx like x, ddt_input = x . dh b and dl [batch, heads, chunks * chunk_size] fp32 (stored along
-        the tokens: one [batch, tokens, heads] store per token would be strided),
+    seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None;
+    a [heads] fp32
+    -> (dx like x, ddt = x . dh b + a dl [batch, heads, chunks * chunk_size] fp32 (stored along
+        the tokens: one [batch, tokens, heads] store per token would be strided), da's sums of
+        dt dl per chunk [batch, heads, chunks] fp32,
         db and dc fp32 [batch, tokens, blocks, state_size], each summed over a block of one
         group's heads (block_heads_for), to be summed over each group's blocks,
         dd = the sum of dy * x over each chunk's tokens, fp32 [batch, chunks, heads] for d per head,
@@ -263,7 +271,8 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
            (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq,
             dl if d is None else d, dx, ddt_input, dl, db, dl if dd is None else dd, chunk_size, head_size,
             state_size, seq_idx is not None, dy_low is not dy, skip_mode, block_heads))
+    da = new_output(batch, heads, chunks, dtype=torch.float32, device=x.device)
     launch(grid, chunk_grads_rows_kernel,
-           (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq, dl, dc, chunk_size, head_size,
-            state_size, seq_idx is not None, dy_low is not dy, block_heads))
-    return dx, ddt_input, dl, db, dc, dd
+           (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq, a, dl, ddt_input, da, dc, chunk_size,
+            head_size, state_size, seq_idx is not None, dy_low is not dy, block_heads))
+    return dx, ddt_input, da, db, dc, dd

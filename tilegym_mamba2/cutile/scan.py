@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from ..backward import Kernels, group_sums
-from ..reference import LOG2E
+from .chunk_cumsum import given_decay_cumsum
 from .chunk_grads import chunk_grads as chunk_grads_kernel
 from .chunk_states_walk import chunk_states_walk
 from .fwd_pass_state import fwd_pass_state
@@ -30,14 +30,7 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     config = replace(choose_config(batch, tokens, groups, heads, head_size, state_size, 64, x.device),
                      chunks_per_segment=1)
     chunk = config.chunk_size
-    padded = -(-tokens // chunk) * chunk
-    # Padded tokens: weight 0 and no decay, as chunk_cumsum leaves them.
-    laid_out = torch.zeros(2, batch, heads, padded, dtype=torch.float32, device=x.device)
-    laid_out[0, :, :, :tokens] = weight.transpose(1, 2)
-    laid_out[1, :, :, :tokens] = log_decay.transpose(1, 2)
-    weight_bht = laid_out[0]
-    decay_cumsum = laid_out[1].view(batch, heads, padded // chunk, chunk).cumsum(-1).view(batch, heads, padded)
-    decay_cumsum *= LOG2E
+    weight_bht, decay_cumsum = given_decay_cumsum(weight.float().contiguous(), log_decay.float().contiguous(), chunk)
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
     if init is not None:
@@ -69,12 +62,12 @@ def reversed_scan(dy, c, forward_states, dfinal_states):
     return None, dh_first, None, (entry_states,)
 
 
-def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip, dy_low=None):
+def chunk_grads(x, b, c, dy, a, seq_idx, forward_states, reverse_states, skip, dy_low=None):
     """From the forward scan's and the reversed scan's chunk states -> (dx = dt * dh b + skip * dy
-    like x, ddt_input = x . dh b and dl [batch, tokens, heads] fp32, db and dc [batch, tokens,
-    groups, state_size] fp32, dskip = the sum of dy * x like skip, fp32, or None); skip [heads, 1]
-    or [heads, head_size] or None; dy_low: what rounding dy to x's dtype left out, or None
-    (backward.scan_backward)."""
+    like x, ddt = x . dh b + a dl [batch, tokens, heads] fp32, da = sum of dt dl [heads] fp32, db
+    and dc [batch, tokens, groups, state_size] fp32, dskip = the sum of dy * x like skip, fp32,
+    or None); a [heads] fp32; skip [heads, 1] or [heads, head_size] or None; dy_low: what
+    rounding dy to x's dtype left out, or None (backward.scan_backward)."""
     entry_states, decay_cumsum, weight_bht = forward_states
     rev_entry_states = reverse_states[0]
     groups = b.shape[2]
@@ -82,16 +75,15 @@ def chunk_grads(x, b, c, dy, seq_idx, forward_states, reverse_states, skip, dy_l
     per_head = skip is not None and skip.shape[1] == 1
     if skip is not None:
         skip = (skip[:, 0] if per_head else skip).to(torch.float32).contiguous()
-    dx, ddt_input, dl, db, dc, dd = chunk_grads_kernel(
+    dx, ddt, da, db, dc, dd = chunk_grads_kernel(
         x.contiguous(), b.contiguous(), c.contiguous(), dy.contiguous(),
         None if dy_low is None else dy_low.contiguous(), weight_bht, decay_cumsum, entry_states,
-        rev_entry_states, seq, skip, 64)
-    tokens = x.shape[1]
-    ddt_input, dl = (t[:, :, :tokens].transpose(1, 2).contiguous() for t in (ddt_input, dl))
+        rev_entry_states, seq, skip, a.contiguous(), 64)
+    ddt = ddt[:, :, :x.shape[1]].transpose(1, 2).contiguous()
     dskip = None if dd is None else dd.sum((0, 1))
     if per_head:
         dskip = dskip[:, None]
-    return dx, ddt_input, dl, group_sums(db, groups), group_sums(dc, groups), dskip
+    return dx, ddt, da.sum((0, 2)), group_sums(db, groups), group_sums(dc, groups), dskip
 
 
 KERNELS = Kernels(scan, chunk_grads, reversed_scan=reversed_scan)
