@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh walk60  1 GPU, ~6 minutes: the walk's variants (experiments 58, 60), the tests next to mamba_ssm
 #   bash benchmarks/device_check.sh sixteenth 1 GPU, ~5 minutes: walk_hints, then autograd_host (the next session's first call)
 #   bash benchmarks/device_check.sh autograd_host 1 GPU, ~2 minutes: experiment 59 (the autograd step's host time, split up)
 #   bash benchmarks/device_check.sh walk_hints 1 GPU, ~3 minutes: experiment 58 (latency hints on the walk's loop loads) timed
@@ -84,6 +85,17 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+walk60)
+  # Experiments 58 and 60: the walk's variants (latency hints, the next chunk's tiles prefetched,
+  # the entry state stored without TMA) timed in interleaved rounds, each checked for the package's
+  # bits; then the backward GPU tests run59 did not finish on experiment 57 (next to mamba_ssm,
+  # state 512 under the backend switch).
+  limit=${LIMIT_S:-300}
+  (cd benchmarks/variants && timeout 200 python3 walk_latency.py) > "$out/walk_variants.log" 2>&1
+  grep -E " ms |Error|DIFFER" "$out/walk_variants.log" | cut -c1-300
+  backward_tests a "mamba_ssm or state_512"
+  test_summaries "$out"/gpu_backward_a.log
+  ;;
 sixteenth)
   # The sixteenth session's first call (run58): experiments 58 and 59, timings only. Its second
   # (run59) timed experiment 57's patch before and after and ran the backward GPU tests on it: the

@@ -33,13 +33,38 @@ LOOP_LOADS = (  # (text before the hint, text after it) of each load inside the 
 )
 
 
+PREFETCH_LOOP = '    for step in range(num_chunks):\n        chunk = num_chunks - 1 - step if reverse else step\n        ct.store(entry_states, (batch, head, step * state_tiles + n_tile, p_tile),\n                 state_t.reshape((1, 1, state_tile, head_tile)))\n        x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),\n                         padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile))\n        b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),\n                      padding_mode=ct.PaddingMode.ZERO).reshape((state_tile, chunk_size))\n        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))\n        g_last = ct.extract(g, (chunk_size - 1,), (1,))\n        if reverse:\n            g_first = ct.extract(g, (0,), (1,))\n            following = ct.load(decay_cumsum, (batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size))\n            next_first = ct.extract(following.reshape((chunk_size,)), (0,), (1,))\n            next_first = ct.where(chunk + 1 < num_chunks, next_first, 0.0)\n            keep = ct.exp2(g_last - g_first + next_first).reshape((1, 1))\n            weight = ct.exp2(g - g_first)\n        else:\n            keep = ct.exp2(g_last).reshape((1, 1))\n            dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))\n            weight = dt_tile * ct.exp2(g_last - g)\n', '    first_chunk = num_chunks - 1 if reverse else 0\n    x_tile, b_t, g, dt_tile = _chunk_tiles(x, b, dt_bht, decay_cumsum, batch, head, group, first_chunk, p_tile,\n                                           n_tile, chunk_size, head_tile, state_tile, reverse)\n    next_first = ct.zeros((1,), dtype=ct.float32)\n    for step in range(num_chunks):\n        ct.store(entry_states, (batch, head, step * state_tiles + n_tile, p_tile),\n                 state_t.reshape((1, 1, state_tile, head_tile)))\n        following = min(step + 1, num_chunks - 1)\n        x_next, b_next, g_next, dt_next = _chunk_tiles(\n            x, b, dt_bht, decay_cumsum, batch, head, group, num_chunks - 1 - following if reverse else following,\n            p_tile, n_tile, chunk_size, head_tile, state_tile, reverse)\n        g_last = ct.extract(g, (chunk_size - 1,), (1,))\n        if reverse:\n            g_first = ct.extract(g, (0,), (1,))\n            keep = ct.exp2(g_last - g_first + next_first).reshape((1, 1))\n            weight = ct.exp2(g - g_first)\n            next_first = g_first\n        else:\n            keep = ct.exp2(g_last).reshape((1, 1))\n            weight = dt_tile * ct.exp2(g_last - g)\n'
+PREFETCH_TAIL = '        state_t = state_t * keep + ct.mma(weighted_b, x_tile, ct.zeros((state_tile, head_tile), dtype=ct.float32))\n', '        state_t = state_t * keep + ct.mma(weighted_b, x_tile, ct.zeros((state_tile, head_tile), dtype=ct.float32))\n        x_tile, b_t, g, dt_tile = x_next, b_next, g_next, dt_next\n'
+CHUNK_TILES = '@ct.function\ndef _chunk_tiles(x, b, dt_bht, decay_cumsum, batch, head, group, chunk, p_tile, n_tile, chunk_size, head_tile,\n                 state_tile, reverse):\n    x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),\n                     padding_mode=ct.PaddingMode.ZERO{hint}).reshape((chunk_size, head_tile))\n    b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),\n                  padding_mode=ct.PaddingMode.ZERO{hint}).reshape((state_tile, chunk_size))\n    g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size){hint}).reshape((chunk_size,))\n    if reverse:\n        dt_tile = g\n    else:\n        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size){hint}).reshape((chunk_size,))\n    return x_tile, b_t, g, dt_tile\n\n\n@ct.kernel(occupancy=2)\n'
+
+
+ENTRY_STORE_NO_TMA = ("                 state_t.reshape((1, 1, state_tile, head_tile)))\n",
+                      "                 state_t.reshape((1, 1, state_tile, head_tile)), allow_tma=False)\n")
+
+
+def prefetched(latency, store_tma=True):
+    """Experiment 60: the next chunk's tiles loaded before this chunk's update, carried through the
+    loop (the mma does not depend on the state, so only the loads' latency is serial); in reverse
+    the following chunk's first decay sum is the previous step's, no longer loaded."""
+    hint = f", latency={latency}" if latency else ""
+    edits = [PREFETCH_LOOP, PREFETCH_TAIL, ("@ct.kernel(occupancy=2)\n", CHUNK_TILES.format(hint=hint))]
+    return module_from(PACKAGE, edits + ([] if store_tma else [ENTRY_STORE_NO_TMA]))
+
+
 def hinted(latency):
     """The package's walk module with ``latency`` on every loop load (None: as it is)."""
     edits = [(before + after, f"{before}, latency={latency}{after}") for before, after in LOOP_LOADS] if latency else []
     return module_from(PACKAGE, edits)
 
 
-VARIANTS = {"package": None, "latency1": 1, "latency3": 3, "latency6": 6, "latency10": 10}
+VARIANTS = {"package": lambda: hinted(None), "latency6": lambda: hinted(6), "latency10": lambda: hinted(10),
+            "prefetch": lambda: prefetched(None), "prefetch_latency6": lambda: prefetched(6),
+            # the entry state stored from registers: a TMA store goes through shared memory, which the
+            # next chunk's store must wait to reuse
+            "store_no_tma": lambda: module_from(PACKAGE, [ENTRY_STORE_NO_TMA]),
+            "prefetch_store_no_tma": lambda: prefetched(None, store_tma=False)}
+ROUNDS = 3  # run58's single timings of the hints moved by up to 25% between shapes: every variant is
+            # timed once per round, rounds interleaved, and the median of the rounds reported
 
 
 def walk_inputs(shape):
@@ -52,25 +77,35 @@ def walk_inputs(shape):
 
 
 def run(shape, names):
+    import statistics
     from timing import median_ms  # this folder's (GPU)
     i, dt_bht, decay_cumsum, dy, dfinal = walk_inputs(shape)
-    want = None
+    calls, want = {}, None
     for name in names:
-        walk = hinted(VARIANTS[name]).chunk_states_walk
-        calls = {"forward": lambda: walk(i["x"], i["b"], dt_bht, decay_cumsum, i["init_state"], 64),
-                 "reverse": lambda: walk(dy, i["c"], decay_cumsum, decay_cumsum, dfinal, 64, reverse=True)}
-        got = [t.clone() for call in calls.values() for t in call()]
+        walk = VARIANTS[name]().chunk_states_walk
+        calls[name] = {
+            "forward": lambda walk=walk: walk(i["x"], i["b"], dt_bht, decay_cumsum, i["init_state"], 64),
+            "reverse": lambda walk=walk: walk(dy, i["c"], decay_cumsum, decay_cumsum, dfinal, 64, reverse=True)}
+        got = [t.clone() for call in calls[name].values() for t in call()]
         want = want or got
         same = all(torch.equal(g, w) for g, w in zip(got, want))
-        times = "  ".join(f"{k} {median_ms(call):.3f} ms" for k, call in calls.items())
-        print(f"{shape} {name:10s} {times}  {'same bits as ' + names[0] if same else 'BITS DIFFER'}", flush=True)
+        print(f"{shape} {name:18s} {'same bits as ' + names[0] if same else 'BITS DIFFER from ' + names[0]}", flush=True)
+    rounds = {name: {k: [] for k in ("forward", "reverse")} for name in names}
+    for _ in range(ROUNDS):
+        for name in names:
+            for k, call in calls[name].items():
+                rounds[name][k].append(median_ms(call))
+    for name in names:
+        times = "  ".join(f"{k} {statistics.median(v):.3f} ms ({' '.join(f'{t:.3f}' for t in v)})"
+                          for k, v in rounds[name].items())
+        print(f"{shape} {name:18s} {times}", flush=True)
 
 
 def resources(names):
     from kernel_remarks import backward_launches, compile_and_report
     original = scan.chunk_states_walk
     for name in names:
-        scan.chunk_states_walk = hinted(VARIANTS[name]).chunk_states_walk
+        scan.chunk_states_walk = VARIANTS[name]().chunk_states_walk
         launches = backward_launches((2, 8192, 1, 80, 128, 64))
         print(f"### {name}", flush=True)
         compile_and_report([(k, a) for k, a in launches if k._pyfunc.__name__.startswith("chunk_states_walk")])
