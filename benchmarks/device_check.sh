@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh final16 1 GPU, ~8 minutes: the walk's tests, the tests next to mamba_ssm, bench --backward
 #   bash benchmarks/device_check.sh walk60  1 GPU, ~6 minutes: the walk's variants (experiments 58, 60), the tests next to mamba_ssm
 #   bash benchmarks/device_check.sh sixteenth 1 GPU, ~5 minutes: walk_hints, then autograd_host (the next session's first call)
 #   bash benchmarks/device_check.sh autograd_host 1 GPU, ~2 minutes: experiment 59 (the autograd step's host time, split up)
@@ -85,6 +86,19 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+final16)
+  # The walk with latency hints (experiment 58) and the mamba_ssm comparison's per-head floor: the
+  # walk's GPU tests and the backward tests next to mamba_ssm, then bench --backward with mamba_ssm.
+  limit=${LIMIT_S:-240}
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_walk.log" 2>&1 &
+  backward_tests a "mamba_ssm or state_512"
+  wait
+  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_a.log
+  timeout "${BENCH_S:-240}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  tail -14 "$out/backward.log"
+  ;;
 walk60)
   # Experiments 58 and 60: the walk's variants (latency hints, the next chunk's tiles prefetched,
   # the entry state stored without TMA) timed in interleaved rounds, each checked for the package's

@@ -173,6 +173,13 @@ def test_layer_autograd_matches_float64(name, dtype):
         assert leaf.grad.dtype == t.dtype
 
 
+# One value per head (dA, dD per head, ddt_bias) is a sum over all 4096 tokens: its rounding error
+# is a few values drawn at random, not an average. Over 14 seeds (runs 40-60, grad_errors logs)
+# ours / mamba_ssm for the mixer case's ddt_bias ranged 0.58-1.70, geometric mean 1.06, both at
+# 0.9e-3 - 4.5e-3: below one bf16 ulp (2 ** -8) the ratio is not evidence of either being worse.
+PER_HEAD_FLOOR = 2.0 ** -8
+
+
 def test_layer_gradients_next_to_mamba_ssm():
     """Same bf16 inputs through mamba_ssm's autograd: ours is no further from float64."""
     ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
@@ -207,7 +214,8 @@ def test_layer_gradients_next_to_mamba_ssm():
                             per_head = ((g.double() - ref).abs() / ref.abs()).tolist()
                             log.write(f"  dA per head, {label}: " + " ".join(
                                 f"A={a:.1f}:{e:.1e}" for a, e in zip(tensors[2].tolist(), per_head)) + "\n")
-            assert e_ours <= max(1.5 * e_theirs, 2e-3), f"{name} d{n}: ours {e_ours:.2e}, mamba_ssm {e_theirs:.2e}"
+            floor = PER_HEAD_FLOOR if ours.numel() == tensors[2].numel() else 2e-3
+            assert e_ours <= max(1.5 * e_theirs, floor), f"{name} d{n}: ours {e_ours:.2e}, mamba_ssm {e_theirs:.2e}"
 
 
 def test_plain_op_autograd_and_compile():

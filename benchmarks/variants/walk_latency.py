@@ -13,7 +13,9 @@ and final state must be the package's bits; timed forwards (the backward's scan)
         at the 2.7B layer's JIT signatures, kernel_remarks.py)
 """
 import pathlib
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -21,7 +23,20 @@ from chunk_grads_split import module_from  # this folder's
 from tilegym_mamba2.cutile import scan
 
 HERE = pathlib.Path(__file__).resolve().parent
-PACKAGE = HERE.parents[1] / "tilegym_mamba2" / "cutile" / "chunk_states_walk.py"
+# The walk as it was when these variants were timed (run58, run60): latency=6 is in the package since.
+BEFORE_HINTS = "f393bf7"
+
+
+def walk_source(commit=BEFORE_HINTS):
+    """chunk_states_walk.py at ``commit``, as a file that module_from can edit."""
+    text = subprocess.run(["git", "show", f"{commit}:tilegym_mamba2/cutile/chunk_states_walk.py"], cwd=HERE,
+                          capture_output=True, text=True, check=True).stdout
+    path = pathlib.Path(tempfile.mkdtemp()) / "chunk_states_walk.py"
+    path.write_text(text)
+    return path
+
+
+PACKAGE = walk_source()
 SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64")
 LOOP_LOADS = (  # (text before the hint, text after it) of each load inside the loop
     ("x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),\n"
