@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh last16  1 GPU, ~7 minutes: experiment 61 (the walk now), the test next to mamba_ssm
 #   bash benchmarks/device_check.sh final16 1 GPU, ~8 minutes: the walk's tests, the tests next to mamba_ssm, bench --backward
 #   bash benchmarks/device_check.sh walk60  1 GPU, ~6 minutes: the walk's variants (experiments 58, 60), the tests next to mamba_ssm
 #   bash benchmarks/device_check.sh sixteenth 1 GPU, ~5 minutes: walk_hints, then autograd_host (the next session's first call)
@@ -86,6 +87,16 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+last16)
+  # Experiment 61 (the walk as it is now, two variants, interleaved rounds, bits checked), then the
+  # test next to mamba_ssm alone (final16 reached its third case at the limit).
+  limit=${LIMIT_S:-330}
+  (cd benchmarks/variants && timeout 150 python3 walk_latency.py now now_following6 now_half_tiles) \
+    > "$out/walk_now.log" 2>&1
+  grep -E " ms |Error|DIFFER" "$out/walk_now.log" | cut -c1-300
+  backward_tests a "mamba_ssm"
+  test_summaries "$out"/gpu_backward_a.log
+  ;;
 final16)
   # The walk with latency hints (experiment 58) and the mamba_ssm comparison's per-head floor: the
   # walk's GPU tests and the backward tests next to mamba_ssm, then bench --backward with mamba_ssm.

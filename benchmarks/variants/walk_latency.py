@@ -36,7 +36,7 @@ def walk_source(commit=BEFORE_HINTS):
     return path
 
 
-PACKAGE = walk_source()
+CURRENT = HERE.parents[1] / "tilegym_mamba2" / "cutile" / "chunk_states_walk.py"
 SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64")
 LOOP_LOADS = (  # (text before the hint, text after it) of each load inside the loop
     ("x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),\n"
@@ -63,21 +63,30 @@ def prefetched(latency, store_tma=True):
     the following chunk's first decay sum is the previous step's, no longer loaded."""
     hint = f", latency={latency}" if latency else ""
     edits = [PREFETCH_LOOP, PREFETCH_TAIL, ("@ct.kernel(occupancy=2)\n", CHUNK_TILES.format(hint=hint))]
-    return module_from(PACKAGE, edits + ([] if store_tma else [ENTRY_STORE_NO_TMA]))
+    return module_from(walk_source(), edits + ([] if store_tma else [ENTRY_STORE_NO_TMA]))
 
 
 def hinted(latency):
     """The package's walk module with ``latency`` on every loop load (None: as it is)."""
     edits = [(before + after, f"{before}, latency={latency}{after}") for before, after in LOOP_LOADS] if latency else []
-    return module_from(PACKAGE, edits)
+    return module_from(walk_source(), edits)
 
 
 VARIANTS = {"package": lambda: hinted(None), "latency6": lambda: hinted(6), "latency10": lambda: hinted(10),
             "prefetch": lambda: prefetched(None), "prefetch_latency6": lambda: prefetched(6),
             # the entry state stored from registers: a TMA store goes through shared memory, which the
             # next chunk's store must wait to reuse
-            "store_no_tma": lambda: module_from(PACKAGE, [ENTRY_STORE_NO_TMA]),
+            "store_no_tma": lambda: module_from(walk_source(), [ENTRY_STORE_NO_TMA]),
             "prefetch_store_no_tma": lambda: prefetched(None, store_tma=False)}
+# Experiment 61, on the walk as it is now (the variants above need git's history, a CPU or a
+# device run with .git): the reverse walk's load of the following chunk's decay sums hinted as
+# well, and the 2.7B layer's 320 blocks at 64 x 64 against 640 at 64 x 32 now that loads overlap.
+NOW = {"now": lambda: module_from(CURRENT),
+       "now_following6": lambda: module_from(CURRENT, [(
+           "(batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size))",
+           "(batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size), latency=6)")]),
+       "now_half_tiles": lambda: module_from(CURRENT, [("FEW_BLOCKS = 264 ", "FEW_BLOCKS = 10 ** 9 ")])}
+VARIANTS.update(NOW)
 ROUNDS = 3  # run58's single timings of the hints moved by up to 25% between shapes: every variant is
             # timed once per round, rounds interleaved, and the median of the rounds reported
 
