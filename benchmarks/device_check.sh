@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh walk62  1 GPU, ~2 minutes: experiment 62 (the walk at occupancy 3 / 4)
 #   bash benchmarks/device_check.sh last16  1 GPU, ~7 minutes: experiment 61 (the walk now), the test next to mamba_ssm
 #   bash benchmarks/device_check.sh final16 1 GPU, ~8 minutes: the walk's tests, the tests next to mamba_ssm, bench --backward
 #   bash benchmarks/device_check.sh walk60  1 GPU, ~6 minutes: the walk's variants (experiments 58, 60), the tests next to mamba_ssm
@@ -87,6 +88,13 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+walk62)
+  # Experiment 62: the walk at occupancy 3 and 4 (the 2.7B's 320 blocks in one wave) against the
+  # package, three interleaved rounds, each checked for the package's bits (~2 minutes).
+  (cd benchmarks/variants && timeout 200 python3 walk_latency.py now now_occ3 now_occ4 now_occ3_half_tiles) \
+    > "$out/walk_occupancy.log" 2>&1
+  grep -E " ms |Error|DIFFER" "$out/walk_occupancy.log" | cut -c1-300
+  ;;
 last16)
   # Experiment 61 (the walk as it is now, two variants, interleaved rounds, bits checked), then the
   # test next to mamba_ssm alone (final16 reached its third case at the limit).

@@ -85,7 +85,16 @@ NOW = {"now": lambda: module_from(CURRENT),
        "now_following6": lambda: module_from(CURRENT, [(
            "(batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size))",
            "(batch, head, min(chunk + 1, num_chunks - 1)), (1, 1, chunk_size), latency=6)")]),
-       "now_half_tiles": lambda: module_from(CURRENT, [("FEW_BLOCKS = 264 ", "FEW_BLOCKS = 10 ** 9 ")])}
+       "now_half_tiles": lambda: module_from(CURRENT, [("FEW_BLOCKS = 264 ", "FEW_BLOCKS = 10 ** 9 ")]),
+       # Experiment 62: the 2.7B layer's walk is 320 blocks where 264 fit at once (two per SM), so
+       # its last 56 blocks run as a second wave: one wave from three blocks per SM, or from 160
+       # blocks of 128 states.
+       "now_occ3": lambda: module_from(CURRENT, [("@ct.kernel(occupancy=2)", "@ct.kernel(occupancy=3)")]),
+       "now_occ4": lambda: module_from(CURRENT, [("@ct.kernel(occupancy=2)", "@ct.kernel(occupancy=4)")]),
+       "now_occ3_half_tiles": lambda: module_from(CURRENT, [("@ct.kernel(occupancy=2)", "@ct.kernel(occupancy=3)"),
+                                                            ("FEW_BLOCKS = 264 ", "FEW_BLOCKS = 10 ** 9 ")]),
+       "now_state128": lambda: module_from(CURRENT, [("state_tile = min(state_size, 64)",
+                                                      "state_tile = min(state_size, 128)")])}
 VARIANTS.update(NOW)
 ROUNDS = 3  # run58's single timings of the hints moved by up to 25% between shapes: every variant is
             # timed once per round, rounds interleaved, and the median of the rounds reported
