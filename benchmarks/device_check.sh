@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh states63 1 GPU, ~8 minutes: experiment 63's patch (chunk states in x's dtype) timed
+#                                           before and after, the walk's and the backward's GPU tests on it (logs.tgz)
 #   bash benchmarks/device_check.sh walk62  1 GPU, ~2 minutes: experiment 62 (the walk at occupancy 3 / 4)
 #   bash benchmarks/device_check.sh last16  1 GPU, ~7 minutes: experiment 61 (the walk now), the test next to mamba_ssm
 #   bash benchmarks/device_check.sh final16 1 GPU, ~8 minutes: the walk's tests, the tests next to mamba_ssm, bench --backward
@@ -88,6 +90,21 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+states63)
+  # Experiment 63 (a patch on the sixteenth session's package, prepared without a GPU): the walks
+  # store the chunk states in x's dtype. Host and GPU time per step before and after applying it
+  # (two processes, one machine), then the walk's GPU tests and the backward's on the patched code.
+  limit=${LIMIT_S:-290}
+  host_vs_gpu before
+  patch=benchmarks/variants/experiment63_states_in_x_dtype.patch
+  git apply "$patch" 2>/dev/null || patch -p1 < "$patch" || { echo "the patch did not apply"; exit 1; }
+  host_vs_gpu after
+  timeout -s INT 120 python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_walk.log" 2>&1
+  four_test_processes "mamba_ssm or state_512 or (layer_autograd and dtype2)"
+  test_summaries "$out"/gpu_walk.log
+  archive_logs
+  ;;
 walk62)
   # Experiment 62: the walk at occupancy 3 and 4 (the 2.7B's 320 blocks in one wave) against the
   # package, three interleaved rounds, each checked for the package's bits (~2 minutes).

@@ -4,7 +4,7 @@ where the kernels round mma operands; dA's error against float64 autograd of the
 per rounding configuration, over seeds. Cases are test_backward_gpu.py's (on a CPU generator).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/variants/dl_rounding_emulation.py seq_idx 1,2,3 [tokens]
-    (cases: seq_idx, seq_noinit, plain, mixer; `where_dy` for experiment 48)
+    (cases: seq_idx, seq_noinit, plain, mixer; `where_dy` for experiment 48, `through` for 63)
 """
 import math, sys
 import torch
@@ -59,8 +59,9 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, o
     ent, final = entry_states(rnd(x, CFG.get('dy_scan')), b, weight, log_decay, init, seq_idx)
     return None, final, None, (ent, weight, log_decay)
 
-def chunk_grads(x, b, c, dy, seq_idx, fwd, rev, skip, dy_low=None):  # dy_low: the CFG's roundings stand in
-    """The kernel's dl formulas, vectorised over batch, chunk, head."""
+def chunk_grads(x, b, c, dy, a, seq_idx, fwd, rev, skip, dy_low=None):  # dy_low: the CFG's roundings stand in
+    """The kernel's dl formulas, vectorised over batch, chunk, head; ddt holds a dl only and dA is
+    sum(dt dl), as the rows kernel stores them (dx, db, dc and x . dh b are not emulated)."""
     entry, weight, log_decay = fwd
     rev_entry, _, rev_decay = rev
     chunks = entry.shape[1]
@@ -95,12 +96,14 @@ def chunk_grads(x, b, c, dy, seq_idx, fwd, rev, skip, dy_low=None):  # dy_low: t
     to_grad = torch.einsum("bklhn,bkhpn->bklhp", bc, rnd(ends, CFG.get('grad')))
     sent = w * from_end * (xc * to_grad).sum(-1)
     dl = dl + sent.cumsum(2) - sent
-    through = torch.exp(g_end) * (ends * entry).sum((-1, -2))[:, :, None]
+    # 'through': both states rounded for <dS, S> as well (experiment 63: the walks store them in
+    # the mma dtype, the reverse walk's already scaled into the next chunk, as `ends` here)
+    through = torch.exp(g_end) * (rnd(ends, CFG.get('through')) * rnd(entry, CFG.get('through'))).sum((-1, -2))[:, :, None]
     dl = dl + through * (carried & going_on)
     dl = dl.reshape(batch, chunks * L, heads)[:, :tokens]
-    z = torch.zeros(batch, tokens, heads, dtype=F64)
     CFG['_parts'] = (received, sent, through * (carried & going_on), dl)
-    return torch.zeros_like(x), z, dl, torch.zeros_like(b), torch.zeros_like(c)
+    return (torch.zeros_like(x), a * dl, (weight * dl).sum((0, 1)), torch.zeros_like(b), torch.zeros_like(c),
+            None)
 
 KERNELS = Kernels(scan, chunk_grads, L)
 
@@ -153,7 +156,7 @@ def emulated_dA(x, dt, A, B, C, kw, dout, cfg):
     res = scan_backward(KERNELS, x, A, B, C, dt, dy, None, initial_states=kw.get("initial_states"),
                         seq_idx=kw.get("seq_idx"))
     F64 = REF
-    return res[4].to(REF)
+    return res[4].to(REF)  # (dx, dB, dC, ddt, dA, ...)
 
 def rel(a, r):
     return ((a - r).norm() / r.norm()).item()
@@ -182,7 +185,32 @@ def where_dy_rounds(seeds, tokens):
         print(f"  {k:40s} {rms:.1e} / {max(e for e, _ in v):.1e}   {max(h for _, h in v):.1e}")
 
 
+def through_rounds(seeds, tokens):
+    """Experiment 63: the kernels' roundings as they are, against the same with <dS, S> taken from
+    bf16 states (the walks storing their states in the mma dtype), per case."""
+    BF, HI_LO = 8, 16
+    for name in ("plain", "init_only", "mixer"):
+        base = dict(state=BF, grad=BF, **{'pass': BF})
+        if name == "mixer":
+            base.update(dy_scan=BF, dy_products=HI_LO, dy_received=HI_LO)
+        configs = {"as the kernels are": base, "<dS, S> from bf16 states": dict(base, through=BF),
+                   "exact (no rounding)": {}}
+        results = {k: [] for k in configs}
+        for seed in seeds:
+            case = make_case(name, seed, tokens=tokens)
+            ref = reference_dA(*case)
+            for k, cfg in configs.items():
+                got = emulated_dA(*case, cfg)
+                results[k].append((rel(got, ref), ((got - ref).abs() / ref.abs()).max().item()))
+        print(f"== {name} tokens={tokens} seeds={seeds}: dA rel err, rms / max over seeds, worst single head")
+        for k, v in results.items():
+            rms = (sum(e * e for e, _ in v) / len(v)) ** 0.5
+            print(f"  {k:28s} {rms:.2e} / {max(e for e, _ in v):.2e}   {max(h for _, h in v):.2e}", flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "through":
+        sys.exit(through_rounds([int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]) if len(sys.argv) > 3 else 2048))
     if sys.argv[1] == "where_dy":
         sys.exit(where_dy_rounds([int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]) if len(sys.argv) > 3 else 2048))
     name = sys.argv[1]
