@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh packed64 1 GPU, ~8 minutes: experiment 64's patch (the walks on packed sequences,
+#                                           after 63's) timed before and after, the walk's and the packed backward tests
 #   bash benchmarks/device_check.sh states63 1 GPU, ~8 minutes: experiment 63's patch (chunk states in x's dtype) timed
 #                                           before and after, the walk's and the backward's GPU tests on it (logs.tgz)
 #   bash benchmarks/device_check.sh walk62  1 GPU, ~2 minutes: experiment 62 (the walk at occupancy 3 / 4)
@@ -90,6 +92,28 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+packed64)
+  # Experiment 64 (a patch after experiment 63's, prepared without a GPU): the walks on packed
+  # sequences. The layer op's forward + backward with and without seq_idx timed before and after
+  # (experiment 63 applied first where it is not in the package yet), then the walk's GPU tests
+  # (the packed cases new) and the layer op's backward tests with packed sequences, next to mamba_ssm.
+  limit=${LIMIT_S:-270}
+  p63=benchmarks/variants/experiment63_states_in_x_dtype.patch
+  git apply --check "$p63" 2>/dev/null && git apply "$p63"
+  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_before.log" 2>&1
+  git apply benchmarks/variants/experiment64_walk_packed_sequences.patch || { echo "the patch did not apply"; exit 1; }
+  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_after.log" 2>&1
+  grep -E " bench |Error" "$out"/packed_before.log "$out"/packed_after.log | cut -c1-220
+  packed="(seq_idx or cu_seqlens or per_sequence)"
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_walk.log" 2>&1 &
+  backward_tests a "mamba_ssm or (layer_autograd and dtype2 and $packed)" &
+  backward_tests b "layer_autograd and dtype1 and $packed" &
+  backward_tests c "layer_autograd and dtype0 and $packed"
+  wait
+  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_[abc].log
+  archive_logs
+  ;;
 states63)
   # Experiment 63 (a patch on the sixteenth session's package, prepared without a GPU): the walks
   # store the chunk states in x's dtype. Host and GPU time per step before and after applying it

@@ -1,0 +1,59 @@
+"""Experiment 64 (GPU): the layer op's forward + backward with packed sequences (seq_idx) against
+one sequence per row, through autograd, on the source config and the 2.7B layer: bench's median
+(L2 flushed) and the kernels' GPU time per call (torch.profiler). Before experiment 64 a packed
+backward runs its chunk states on the state pass and its scan of dh on token-flipped copies of
+dy, C and B; after it, on the two walks, as one sequence per row does.
+
+    python3 benchmarks/variants/packed_backward.py
+"""
+import torch
+
+import tilegym_mamba2
+from tilegym_mamba2.bench import measure
+
+
+def layer_inputs(batch, tokens, groups, heads, state, head, packed):
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    x = randn(batch, tokens, heads, head).bfloat16()
+    dt = (randn(batch, tokens, heads) - 2).bfloat16()
+    a = -torch.rand(heads, device="cuda", generator=g) * 8 - 1
+    b, c = (randn(batch, tokens, groups, state).bfloat16() for _ in range(2))
+    d, dt_bias = randn(heads), randn(heads) - 1
+    leaves = [t.requires_grad_() for t in (x, dt, a, b, c, d, dt_bias)]
+    seq_idx = None
+    if packed:  # four sequences per row, their edges inside chunks
+        cuts = torch.tensor([tokens // 7, tokens // 3 + 5, (3 * tokens) // 4 - 9], device="cuda")
+        seq = (torch.arange(tokens, device="cuda")[:, None] >= cuts[None, :]).sum(1).to(torch.int32)
+        seq_idx = seq.expand(batch, tokens).contiguous()
+    return leaves, seq_idx, randn(batch, tokens, heads, head).bfloat16()
+
+
+def step(leaves, seq_idx, dout):
+    x, dt, a, b, c, d, dt_bias = leaves
+    out = tilegym_mamba2.mamba_chunk_scan_combined(x, dt, a, b, c, 256, D=d, dt_bias=dt_bias, dt_softplus=True,
+                                                   seq_idx=seq_idx)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+if __name__ == "__main__":
+    for shape in ((4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64)):
+        for packed in (False, True):
+            leaves, seq_idx, dout = layer_inputs(*shape, packed)
+
+            def fn():
+                return step(leaves, seq_idx, dout)
+            ms = measure(fn)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.device_time for e in kernels) / 5 / 1e3
+            label = "packed (4 sequences per row)" if packed else "one sequence per row"
+            print(f"{shape} {label:30s} bench {ms:.3f} ms  GPU busy {busy:.3f} ms/call ({len(kernels) // 5} kernels)",
+                  flush=True)
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
