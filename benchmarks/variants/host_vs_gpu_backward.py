@@ -12,6 +12,7 @@ import torch
 from tilegym_mamba2.bench import measure
 from tilegym_mamba2.bench_backward import implementations
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
+from timing import gpu_busy  # this folder's
 
 found, _ = implementations()
 for shape in ((4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64)):
@@ -30,12 +31,7 @@ for shape in ((4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64)):
         host = (time.perf_counter() - start) / 20 * 1e3
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / 20 * 1e3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy = sum(e.device_time for e in kernels) / 5 / 1e3
+        busy, kernels, prof = gpu_busy(fn)
         print(f"{shape} {name:14s} bench {measure(fn):.3f} ms  host {host:.3f} ms/call  queued wall {wall:.3f}  "
-              f"GPU busy {busy:.3f} ms/call ({len(kernels) // 5} kernels)", flush=True)
+              f"GPU busy {busy:.3f} ms/call ({kernels} kernels)", flush=True)
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))

@@ -10,6 +10,7 @@ import torch
 
 import tilegym_mamba2
 from tilegym_mamba2.bench import measure
+from timing import gpu_busy  # this folder's
 
 
 def layer_inputs(batch, tokens, groups, heads, state, head, packed):
@@ -46,14 +47,8 @@ if __name__ == "__main__":
 
             def fn():
                 return step(leaves, seq_idx, dout)
-            ms = measure(fn)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fn()
-                torch.cuda.synchronize()
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            busy = sum(e.device_time for e in kernels) / 5 / 1e3
+            busy, kernels, prof = gpu_busy(fn)
             label = "packed (4 sequences per row)" if packed else "one sequence per row"
-            print(f"{shape} {label:30s} bench {ms:.3f} ms  GPU busy {busy:.3f} ms/call ({len(kernels) // 5} kernels)",
+            print(f"{shape} {label:30s} bench {measure(fn):.3f} ms  GPU busy {busy:.3f} ms/call ({kernels} kernels)",
                   flush=True)
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))

@@ -98,3 +98,14 @@ def print_rows(title, rows, mbytes):
     for name, us in sorted(rows, key=lambda r: (r[1] != r[1], r[1])):
         print(f"{name:48s} {us:8.2f} us  {mbytes / us:6.3f} TB/s")
     sys.stdout.flush()
+
+
+def gpu_busy(fn, calls=5):
+    """fn's GPU time per call summed over its kernels (ms; torch.profiler, no gaps counted), its
+    kernels per call, and the profile for a table."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / calls / 1e3, len(kernels) // calls, prof
