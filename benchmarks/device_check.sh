@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh bench_backward 1 GPU, ~4 minutes: bench --backward next to mamba_ssm, nothing else
 #   bash benchmarks/device_check.sh packed64 1 GPU, ~8 minutes: experiment 64's patch (the walks on packed sequences,
 #                                           after 63's) timed before and after, the walk's and the packed backward tests
 #   bash benchmarks/device_check.sh states63 1 GPU, ~8 minutes: experiment 63's patch (chunk states in x's dtype) timed
@@ -92,6 +93,12 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+bench_backward)
+  # bench --backward next to mamba_ssm alone (its first call autotunes for a minute), ~4 minutes.
+  timeout "${BENCH_S:-300}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  tail -14 "$out/backward.log"
+  ;;
 packed64)
   # Experiment 64 (a patch after experiment 63's, prepared without a GPU): the walks on packed
   # sequences. The layer op's forward + backward with and without seq_idx timed before and after
