@@ -139,7 +139,8 @@ states63)
 walk62)
   # Experiment 62: the walk at occupancy 3 and 4 (the 2.7B's 320 blocks in one wave) against the
   # package, three interleaved rounds, each checked for the package's bits (~2 minutes).
-  (cd benchmarks/variants && timeout 200 python3 walk_latency.py now now_occ3 now_occ4 now_occ3_half_tiles) \
+  (cd benchmarks/variants && timeout 240 python3 walk_latency.py now now_occ3 now_occ4 now_occ3_half_tiles \
+    now_occ3_when_crowded) \
     > "$out/walk_occupancy.log" 2>&1
   grep -E " ms |Error|DIFFER" "$out/walk_occupancy.log" | cut -c1-300
   ;;

@@ -93,6 +93,14 @@ NOW = {"now": lambda: module_from(CURRENT),
        "now_occ4": lambda: module_from(CURRENT, [("@ct.kernel(occupancy=2)", "@ct.kernel(occupancy=4)")]),
        "now_occ3_half_tiles": lambda: module_from(CURRENT, [("@ct.kernel(occupancy=2)", "@ct.kernel(occupancy=3)"),
                                                             ("FEW_BLOCKS = 264 ", "FEW_BLOCKS = 10 ** 9 ")]),
+       # The rule to adopt if occupancy 3 wins on the 2.7B only: three blocks per SM where two
+       # per SM leave blocks for a second wave (as fwd_pass_state's wide tiles take occupancy 2).
+       "now_occ3_when_crowded": lambda: module_from(CURRENT, [
+           ("    has_init = init_state is not None\n    launch((batch * heads, tiles), chunk_states_walk_kernel,",
+            "    has_init = init_state is not None\n    crowded = batch * heads * tiles > FEW_BLOCKS\n"
+            "    launch((batch * heads, tiles), crowded_walk_kernel if crowded else chunk_states_walk_kernel,"),
+           ("\n\ndef chunk_states_walk(",
+            "\n\ncrowded_walk_kernel = chunk_states_walk_kernel.replace_hints(occupancy=3)\n\n\ndef chunk_states_walk(")]),
        "now_state128": lambda: module_from(CURRENT, [("state_tile = min(state_size, 64)",
                                                       "state_tile = min(state_size, 128)")])}
 VARIANTS.update(NOW)
