@@ -89,6 +89,12 @@ four_test_processes() {  # four_test_processes EXPR: the plain op; EXPR (next to
   wait
   test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abc].log
 }
+apply_once() {  # apply_once PATCH: applies a prepared patch unless the tree has it already
+  if git apply --reverse --check "$1" 2>/dev/null || patch -p1 -R --dry-run -s -f < "$1" > /dev/null 2>&1; then
+    echo "$1: already applied"; return 0
+  fi
+  git apply "$1" 2>/dev/null || patch -p1 -s < "$1" || { echo "$1 did not apply"; return 1; }
+}
 archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
@@ -105,10 +111,9 @@ packed64)
   # (experiment 63 applied first where it is not in the package yet), then the walk's GPU tests
   # (the packed cases new) and the layer op's backward tests with packed sequences, next to mamba_ssm.
   limit=${LIMIT_S:-270}
-  p63=benchmarks/variants/experiment63_states_in_x_dtype.patch
-  git apply --check "$p63" 2>/dev/null && git apply "$p63"
+  apply_once benchmarks/variants/experiment63_states_in_x_dtype.patch || exit 1
   timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_before.log" 2>&1
-  git apply benchmarks/variants/experiment64_walk_packed_sequences.patch || { echo "the patch did not apply"; exit 1; }
+  apply_once benchmarks/variants/experiment64_walk_packed_sequences.patch || exit 1
   timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_after.log" 2>&1
   grep -E " bench |Error" "$out"/packed_before.log "$out"/packed_after.log | cut -c1-220
   packed="(seq_idx or cu_seqlens or per_sequence)"
@@ -127,8 +132,7 @@ states63)
   # (two processes, one machine), then the walk's GPU tests and the backward's on the patched code.
   limit=${LIMIT_S:-290}
   host_vs_gpu before
-  patch=benchmarks/variants/experiment63_states_in_x_dtype.patch
-  git apply "$patch" 2>/dev/null || patch -p1 < "$patch" || { echo "the patch did not apply"; exit 1; }
+  apply_once benchmarks/variants/experiment63_states_in_x_dtype.patch || exit 1
   host_vs_gpu after
   timeout -s INT 120 python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
     --tb=short -rfE > "$out/gpu_walk.log" 2>&1
