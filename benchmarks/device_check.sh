@@ -143,8 +143,8 @@ states63)
 walk62)
   # Experiment 62: the walk at occupancy 3 and 4 (the 2.7B's 320 blocks in one wave) against the
   # package, three interleaved rounds, each checked for the package's bits (~2 minutes).
-  (cd benchmarks/variants && timeout 240 python3 walk_latency.py now now_occ3 now_occ4 now_occ3_half_tiles \
-    now_occ3_when_crowded) \
+  (cd benchmarks/variants && timeout 240 python3 walk_latency.py package occ3 occ4 occ3_half_tiles \
+    occ3_when_crowded) \
     > "$out/walk_occupancy.log" 2>&1
   grep -E " ms |Error|DIFFER" "$out/walk_occupancy.log" | cut -c1-300
   ;;
@@ -152,7 +152,7 @@ last16)
   # Experiment 61 (the walk as it is now, two variants, interleaved rounds, bits checked), then the
   # test next to mamba_ssm alone (final16 reached its third case at the limit).
   limit=${LIMIT_S:-330}
-  (cd benchmarks/variants && timeout 150 python3 walk_latency.py now now_following6 now_half_tiles) \
+  (cd benchmarks/variants && timeout 150 python3 walk_latency.py package following6 half_tiles) \
     > "$out/walk_now.log" 2>&1
   grep -E " ms |Error|DIFFER" "$out/walk_now.log" | cut -c1-300
   backward_tests a "mamba_ssm"
@@ -175,7 +175,7 @@ walk60)
   # Experiments 58 and 60: the walk's variants (latency hints, the next chunk's tiles prefetched,
   # the entry state stored without TMA) timed in interleaved rounds, each checked for the package's
   # bits; then the backward GPU tests run59 did not finish on experiment 57 (next to mamba_ssm,
-  # state 512 under the backend switch).
+  # state 512 under the backend switch). (Run60's variants are walk_latency.py at f393bf7.)
   limit=${LIMIT_S:-300}
   (cd benchmarks/variants && timeout 200 python3 walk_latency.py) > "$out/walk_variants.log" 2>&1
   grep -E " ms |Error|DIFFER" "$out/walk_variants.log" | cut -c1-300
@@ -198,6 +198,7 @@ autograd_host)
 walk_hints)
   # Experiment 58: the chunk-state walk's loop loads with latency hints (1, 3, 6, 10) against the
   # package's (none), forwards and in reverse, same process; each must give the package's bits.
+  # (Run58's variants are walk_latency.py at 28f2e02.)
   (cd benchmarks/variants && timeout 300 python3 walk_latency.py) > "$out/walk_latency.log" 2>&1
   grep -E " ms |Error|BITS" "$out/walk_latency.log" | cut -c1-300
   ;;
