@@ -136,8 +136,14 @@ states63)
   host_vs_gpu after
   timeout -s INT 120 python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
     --tb=short -rfE > "$out/gpu_walk.log" 2>&1
-  four_test_processes "mamba_ssm or state_512 or (layer_autograd and dtype2)"
-  test_summaries "$out"/gpu_walk.log
+  # Five processes (run59's four left the mamba_ssm comparison unfinished at 250 s).
+  backward_tests plain "chunk_backward_matches or state_512" &
+  backward_tests a "mamba_ssm" &
+  backward_tests d "layer_autograd and dtype2" &
+  backward_tests b "layer_autograd and dtype1" &
+  backward_tests c "(layer_autograd and dtype0) or compile"
+  wait
+  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abcd].log
   archive_logs
   ;;
 walk62)
