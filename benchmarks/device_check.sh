@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh tf32_65 1 GPU, ~9 minutes: experiment 65 (fp32 inputs' backward mma in tf32 under
+#                                           PyTorch's "high" matmul precision) timed, its test and the fp32 layer tests
 #   bash benchmarks/device_check.sh bench_backward 1 GPU, ~4 minutes: bench --backward next to mamba_ssm, nothing else
 #   bash benchmarks/device_check.sh packed64 1 GPU, ~8 minutes: experiment 64's patch (the walks on packed sequences,
 #                                           after 63's) timed before and after, the walk's and the packed backward tests
@@ -99,6 +101,20 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+tf32_65)
+  # Experiment 65 (a patch after 63's and 64's): the backward's mma on tf32 operands for fp32 inputs
+  # under PyTorch's "high" float32 matmul precision. fp32 at "highest" and "high" timed next to
+  # bf16 (compiles first: fp32 FMA kernels take long), then the new test and the layer op's fp32
+  # backward tests at the default precision.
+  limit=${LIMIT_S:-300}
+  for p in 63_states_in_x_dtype 64_walk_packed_sequences 65_tf32_under_matmul_precision; do
+    apply_once "benchmarks/variants/experiment$p.patch" || exit 1
+  done
+  timeout 280 python3 benchmarks/variants/fp32_backward.py > "$out/fp32_backward.log" 2>&1
+  grep -E "fwd\+bwd|Error" "$out/fp32_backward.log" | cut -c1-200
+  backward_tests tf32 "matmul_precision or (layer_autograd and dtype1)"
+  test_summaries "$out"/gpu_backward_tf32.log
+  ;;
 bench_backward)
   # bench --backward next to mamba_ssm alone (its first call autotunes for a minute), ~4 minutes.
   timeout "${BENCH_S:-300}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
