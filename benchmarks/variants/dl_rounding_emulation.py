@@ -172,17 +172,23 @@ def where_dy_rounds(seeds, tokens):
                "... and in chunk_grads' received terms": dict(base, dy_scan=BF, dy_received=BF),
                "scan bf16, chunk_grads hi/lo (16 bits)": dict(base, dy_scan=BF, dy_products=HI_LO, dy_received=HI_LO),
                "no dy rounding": dict(base)}
+    dA_table("mixer", configs, seeds, tokens)
+
+
+def dA_table(name, configs, seeds, tokens):
+    """dA's error against float64 autograd per rounding configuration: rms and max over the seeds
+    of the relative error, and the worst single head."""
     results = {k: [] for k in configs}
     for seed in seeds:
-        case = make_case("mixer", seed, tokens=tokens)
+        case = make_case(name, seed, tokens=tokens)
         ref = reference_dA(*case)
         for k, cfg in configs.items():
             got = emulated_dA(*case, cfg)
             results[k].append((rel(got, ref), ((got - ref).abs() / ref.abs()).max().item()))
-    print(f"== mixer tokens={tokens} seeds={seeds}: dA rel err, rms / max over seeds, worst single head")
+    print(f"== {name} tokens={tokens} seeds={seeds}: dA rel err, rms / max over seeds, worst single head")
     for k, v in results.items():
         rms = (sum(e * e for e, _ in v) / len(v)) ** 0.5
-        print(f"  {k:40s} {rms:.1e} / {max(e for e, _ in v):.1e}   {max(h for _, h in v):.1e}")
+        print(f"  {k:40s} {rms:.2e} / {max(e for e, _ in v):.2e}   {max(h for _, h in v):.2e}", flush=True)
 
 
 def through_rounds(seeds, tokens):
@@ -195,17 +201,7 @@ def through_rounds(seeds, tokens):
             base.update(dy_scan=BF, dy_products=HI_LO, dy_received=HI_LO)
         configs = {"as the kernels are": base, "<dS, S> from bf16 states": dict(base, through=BF),
                    "exact (no rounding)": {}}
-        results = {k: [] for k in configs}
-        for seed in seeds:
-            case = make_case(name, seed, tokens=tokens)
-            ref = reference_dA(*case)
-            for k, cfg in configs.items():
-                got = emulated_dA(*case, cfg)
-                results[k].append((rel(got, ref), ((got - ref).abs() / ref.abs()).max().item()))
-        print(f"== {name} tokens={tokens} seeds={seeds}: dA rel err, rms / max over seeds, worst single head")
-        for k, v in results.items():
-            rms = (sum(e * e for e, _ in v) / len(v)) ** 0.5
-            print(f"  {k:28s} {rms:.2e} / {max(e for e, _ in v):.2e}   {max(h for _, h in v):.2e}", flush=True)
+        dA_table(name, configs, seeds, tokens)
 
 
 if __name__ == "__main__":
