@@ -30,14 +30,11 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh seventeenth 1 GPU, ~9 minutes: experiments 62-64 in the package: per-head gradient
+#                                           errors over 32 seeds before/after, backward GPU tests, bench --backward
 #   bash benchmarks/device_check.sh tf32_65 1 GPU, ~9 minutes: experiment 65 (fp32 inputs' backward mma in tf32 under
 #                                           PyTorch's "high" matmul precision) timed, its test and the fp32 layer tests
 #   bash benchmarks/device_check.sh bench_backward 1 GPU, ~4 minutes: bench --backward next to mamba_ssm, nothing else
-#   bash benchmarks/device_check.sh packed64 1 GPU, ~8 minutes: experiment 64's patch (the walks on packed sequences,
-#                                           after 63's) timed before and after, the walk's and the packed backward tests
-#   bash benchmarks/device_check.sh states63 1 GPU, ~8 minutes: experiment 63's patch (chunk states in x's dtype) timed
-#                                           before and after, the walk's and the backward's GPU tests on it (logs.tgz)
-#   bash benchmarks/device_check.sh walk62  1 GPU, ~2 minutes: experiment 62 (the walk at occupancy 3 / 4)
 #   bash benchmarks/device_check.sh last16  1 GPU, ~7 minutes: experiment 61 (the walk now), the test next to mamba_ssm
 #   bash benchmarks/device_check.sh final16 1 GPU, ~8 minutes: the walk's tests, the tests next to mamba_ssm, bench --backward
 #   bash benchmarks/device_check.sh walk60  1 GPU, ~6 minutes: the walk's variants (experiments 58, 60), the tests next to mamba_ssm
@@ -101,15 +98,34 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+seventeenth)
+  # The seventeenth session's check of experiments 62-64 in the package: the per-head gradients'
+  # errors over 32 seeds before (the sixteenth session's package, .device/before17 =
+  # `git archive e73a24a tilegym_mamba2 ops_registry.yaml`, with mamba_ssm's) and after, next to
+  # the backward's GPU tests in four processes; then bench --backward alone.
+  limit=${LIMIT_S:-240}
+  (cd benchmarks/variants && PYTHONPATH="$PWD/../../.device/before17:$PYTHONPATH" timeout 150 \
+     python3 per_head_grad_seeds.py --peer > "$out/seeds_before.log" 2>&1
+   timeout 80 python3 per_head_grad_seeds.py > "$out/seeds_after.log" 2>&1) &
+  backward_tests plain "chunk_backward_matches or state_512" &
+  backward_tests d "layer_autograd and dtype2" &
+  backward_tests b "layer_autograd and dtype1" &
+  backward_tests c "(layer_autograd and dtype0) or compile"
+  wait
+  grep -h summary "$out"/seeds_*.log
+  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[bcd].log
+  timeout "${BENCH_S:-270}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  tail -14 "$out/backward.log"
+  archive_logs
+  ;;
 tf32_65)
-  # Experiment 65 (a patch after 63's and 64's): the backward's mma on tf32 operands for fp32 inputs
+  # Experiment 65 (a patch on the seventeenth session's package): the backward's mma on tf32 operands for fp32 inputs
   # under PyTorch's "high" float32 matmul precision. fp32 at "highest" and "high" timed next to
   # bf16 (compiles first: fp32 FMA kernels take long), then the new test and the layer op's fp32
   # backward tests at the default precision.
   limit=${LIMIT_S:-300}
-  for p in 63_states_in_x_dtype 64_walk_packed_sequences 65_tf32_under_matmul_precision; do
-    apply_once "benchmarks/variants/experiment$p.patch" || exit 1
-  done
+  apply_once benchmarks/variants/experiment65_tf32_under_matmul_precision.patch || exit 1
   timeout 280 python3 benchmarks/variants/fp32_backward.py > "$out/fp32_backward.log" 2>&1
   grep -E "fwd\+bwd|Error" "$out/fp32_backward.log" | cut -c1-200
   backward_tests tf32 "matmul_precision or (layer_autograd and dtype1)"
@@ -120,55 +136,6 @@ bench_backward)
   timeout "${BENCH_S:-300}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
     --json "$out/backward.json" > "$out/backward.log" 2>&1
   tail -14 "$out/backward.log"
-  ;;
-packed64)
-  # Experiment 64 (a patch after experiment 63's, prepared without a GPU): the walks on packed
-  # sequences. The layer op's forward + backward with and without seq_idx timed before and after
-  # (experiment 63 applied first where it is not in the package yet), then the walk's GPU tests
-  # (the packed cases new) and the layer op's backward tests with packed sequences, next to mamba_ssm.
-  limit=${LIMIT_S:-270}
-  apply_once benchmarks/variants/experiment63_states_in_x_dtype.patch || exit 1
-  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_before.log" 2>&1
-  apply_once benchmarks/variants/experiment64_walk_packed_sequences.patch || exit 1
-  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_after.log" 2>&1
-  grep -E " bench |Error" "$out"/packed_before.log "$out"/packed_after.log | cut -c1-220
-  packed="(seq_idx or cu_seqlens or per_sequence)"
-  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
-    --tb=short -rfE > "$out/gpu_walk.log" 2>&1 &
-  backward_tests a "mamba_ssm or (layer_autograd and dtype2 and $packed)" &
-  backward_tests b "layer_autograd and dtype1 and $packed" &
-  backward_tests c "layer_autograd and dtype0 and $packed"
-  wait
-  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_[abc].log
-  archive_logs
-  ;;
-states63)
-  # Experiment 63 (a patch on the sixteenth session's package, prepared without a GPU): the walks
-  # store the chunk states in x's dtype. Host and GPU time per step before and after applying it
-  # (two processes, one machine), then the walk's GPU tests and the backward's on the patched code.
-  limit=${LIMIT_S:-290}
-  host_vs_gpu before
-  apply_once benchmarks/variants/experiment63_states_in_x_dtype.patch || exit 1
-  host_vs_gpu after
-  timeout -s INT 120 python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
-    --tb=short -rfE > "$out/gpu_walk.log" 2>&1
-  # Five processes (run59's four left the mamba_ssm comparison unfinished at 250 s).
-  backward_tests plain "chunk_backward_matches or state_512" &
-  backward_tests a "mamba_ssm" &
-  backward_tests d "layer_autograd and dtype2" &
-  backward_tests b "layer_autograd and dtype1" &
-  backward_tests c "(layer_autograd and dtype0) or compile"
-  wait
-  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abcd].log
-  archive_logs
-  ;;
-walk62)
-  # Experiment 62: the walk at occupancy 3 and 4 (the 2.7B's 320 blocks in one wave) against the
-  # package, three interleaved rounds, each checked for the package's bits (~2 minutes).
-  (cd benchmarks/variants && timeout 240 python3 walk_latency.py package occ3 occ4 occ3_half_tiles \
-    occ3_when_crowded) \
-    > "$out/walk_occupancy.log" 2>&1
-  grep -E " ms |Error|DIFFER" "$out/walk_occupancy.log" | cut -c1-300
   ;;
 last16)
   # Experiment 61 (the walk as it is now, two variants, interleaved rounds, bits checked), then the

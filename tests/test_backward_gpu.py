@@ -1,6 +1,7 @@
 """Gradients on the GPU: mamba2_chunk_backward and autograd through both ops, cutile backend,
 against float64 autograd of the chunked references on the same (rounded) inputs, and against
 mamba_ssm's own backward where it is installed. Every kernel output starts as NaN."""
+import math
 import os
 
 import pytest
@@ -174,48 +175,68 @@ def test_layer_autograd_matches_float64(name, dtype):
 
 
 # One value per head (dA, dD per head, ddt_bias) is a sum over all 4096 tokens: its rounding error
-# is a few values drawn at random, not an average. Over 14 seeds (runs 40-60, grad_errors logs)
-# ours / mamba_ssm for the mixer case's ddt_bias ranged 0.58-1.70, geometric mean 1.06, both at
-# 0.9e-3 - 4.5e-3: below one bf16 ulp (2 ** -8) the ratio is not evidence of either being worse.
+# is a few values drawn at random, not an average. Over 32 seeds (run67) ours / mamba_ssm for the
+# mixer's ddt_bias was 0.81-2.02 per seed, geometric mean 1.16, both at 0.9e-3 - 7.6e-3, and one
+# seed in about 25 failed a per-seed bound of 1.5x (run60, run65). Such gradients are judged on the
+# geometric mean over SEEDS seeds, at 1.5x mamba_ssm's or below one bf16 ulp (2 ** -8); per-token
+# gradients on every seed.
 PER_HEAD_FLOOR = 2.0 ** -8
+SEEDS = 4
 
 
 def test_layer_gradients_next_to_mamba_ssm():
     """Same bf16 inputs through mamba_ssm's autograd: ours is no further from float64."""
     ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
-    seed = fresh_seed()
+    first_seed = fresh_seed()
+    per_head = {}  # (case, gradient) -> [(ours, mamba_ssm)] errors, one pair per seed
     for name in ("mixer", "seq_idx", "channel_d_clamp"):
-        options = LAYER_OPTIONS[name]
-        x, dt_raw, A, B, C, kw, g = layer_case(options, 2, 2048, 1, 8, 128, 64, torch.bfloat16, seed)
-        names = ["x", "dt", "A", "B", "C"] + [k for k in ("D", "z", "dt_bias", "initial_states") if k in kw]
-        tensors = [x, dt_raw, A, B, C] + [kw[k] for k in names[5:]]
-        extra = {k: v for k, v in kw.items() if k not in names}
-        dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
-        grads = {}
-        for impl, fn in (("ours", tilegym_mamba2.mamba_chunk_scan_combined), ("mamba_ssm", ssd.mamba_chunk_scan_combined)):
-            leaves = [t.detach().clone().requires_grad_() for t in tensors]
-            args = dict(zip(names, leaves))
-            out = fn(args.pop("x"), args.pop("dt"), args.pop("A"), args.pop("B"), args.pop("C"), 256, **args, **extra)
-            out.backward(dout)
-            grads[impl] = [t.grad for t in leaves]
-        ref_leaves = [t.detach().double().requires_grad_() for t in tensors]
-        args = dict(zip(names, ref_leaves))
-        dt = process_dt(args["dt"], args.get("dt_bias"), kw["dt_softplus"], kw["dt_limit"], dtype=torch.float64)
-        out = chunked_layer_reference(args["x"], dt, args["A"], args["B"], args["C"], args.get("D"), args.get("z"),
-                                      args.get("initial_states"), kw.get("seq_idx"), None, chunk_size=64)[0]
-        refs = torch.autograd.grad((out * dout.double()).sum(), ref_leaves)
-        for n, ours, theirs, ref in zip(names, grads["ours"], grads["mamba_ssm"], refs):
-            e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
-            if ERRORS_LOG:
-                with open(ERRORS_LOG, "a") as log:
-                    log.write(f"vs_mamba_ssm[{name}] seed={seed} d{n}: ours={e_ours:.2e} mamba_ssm={e_theirs:.2e}\n")
-                    if n == "A":  # per head, with A: where dA's rounding error sits (NOTES.md, experiment 42)
-                        for label, g in (("ours", ours), ("mamba_ssm", theirs)):
-                            per_head = ((g.double() - ref).abs() / ref.abs()).tolist()
-                            log.write(f"  dA per head, {label}: " + " ".join(
-                                f"A={a:.1f}:{e:.1e}" for a, e in zip(tensors[2].tolist(), per_head)) + "\n")
-            floor = PER_HEAD_FLOOR if ours.numel() == tensors[2].numel() else 2e-3
-            assert e_ours <= max(1.5 * e_theirs, floor), f"{name} d{n}: ours {e_ours:.2e}, mamba_ssm {e_theirs:.2e}"
+        for seed in range(first_seed, first_seed + SEEDS):
+            for n, e_ours, e_theirs, one_per_head in gradient_errors_next_to_mamba_ssm(ssd, name, seed % 2 ** 32):
+                if one_per_head:
+                    per_head.setdefault((name, n), []).append((e_ours, e_theirs))
+                else:
+                    assert e_ours <= max(1.5 * e_theirs, 2e-3), \
+                        f"{name} seed={seed % 2 ** 32} d{n}: ours {e_ours:.2e}, mamba_ssm {e_theirs:.2e}"
+    for (name, n), pairs in per_head.items():
+        ours, theirs = (math.exp(sum(math.log(max(p[i], 1e-30)) for p in pairs) / len(pairs)) for i in (0, 1))
+        assert ours <= max(1.5 * theirs, PER_HEAD_FLOOR), \
+            f"{name} d{n} over seeds {first_seed}+{SEEDS}: geometric mean ours {ours:.2e}, mamba_ssm {theirs:.2e}"
+
+
+def gradient_errors_next_to_mamba_ssm(ssd, name, seed):
+    """-> [(gradient name, ours' error, mamba_ssm's, one value per head?)] against float64."""
+    options = LAYER_OPTIONS[name]
+    x, dt_raw, A, B, C, kw, g = layer_case(options, 2, 2048, 1, 8, 128, 64, torch.bfloat16, seed)
+    names = ["x", "dt", "A", "B", "C"] + [k for k in ("D", "z", "dt_bias", "initial_states") if k in kw]
+    tensors = [x, dt_raw, A, B, C] + [kw[k] for k in names[5:]]
+    extra = {k: v for k, v in kw.items() if k not in names}
+    dout = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+    grads = {}
+    for impl, fn in (("ours", tilegym_mamba2.mamba_chunk_scan_combined), ("mamba_ssm", ssd.mamba_chunk_scan_combined)):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        args = dict(zip(names, leaves))
+        out = fn(args.pop("x"), args.pop("dt"), args.pop("A"), args.pop("B"), args.pop("C"), 256, **args, **extra)
+        out.backward(dout)
+        grads[impl] = [t.grad for t in leaves]
+    ref_leaves = [t.detach().double().requires_grad_() for t in tensors]
+    args = dict(zip(names, ref_leaves))
+    dt = process_dt(args["dt"], args.get("dt_bias"), kw["dt_softplus"], kw["dt_limit"], dtype=torch.float64)
+    out = chunked_layer_reference(args["x"], dt, args["A"], args["B"], args["C"], args.get("D"), args.get("z"),
+                                  args.get("initial_states"), kw.get("seq_idx"), None, chunk_size=64)[0]
+    refs = torch.autograd.grad((out * dout.double()).sum(), ref_leaves)
+    found = []
+    for n, ours, theirs, ref in zip(names, grads["ours"], grads["mamba_ssm"], refs):
+        e_ours, e_theirs = rel_err(ours, ref), rel_err(theirs, ref)
+        if ERRORS_LOG:
+            with open(ERRORS_LOG, "a") as log:
+                log.write(f"vs_mamba_ssm[{name}] seed={seed} d{n}: ours={e_ours:.2e} mamba_ssm={e_theirs:.2e}\n")
+                if n == "A":  # per head, with A: where dA's rounding error sits (NOTES.md, experiment 42)
+                    for label, grad in (("ours", ours), ("mamba_ssm", theirs)):
+                        errors = ((grad.double() - ref).abs() / ref.abs()).tolist()
+                        log.write(f"  dA per head, {label}: " + " ".join(
+                            f"A={a:.1f}:{e:.1e}" for a, e in zip(tensors[2].tolist(), errors)) + "\n")
+        found.append((n, e_ours, e_theirs, ours.numel() == tensors[2].numel()))
+    return found
 
 
 def test_plain_op_autograd_and_compile():

@@ -76,8 +76,9 @@ def kernels_for(backend, dtype) -> "Kernels":
 class Kernels(NamedTuple):
     """What backward.py runs on: a scan that also gives its chunk entry states, and chunk_grads, which makes the gradients from those of the forward
     and the reversed scan; chunk_size: the chunks of both. reversed_scan, where a backend has one,
-    runs the scan of dh without flipping the inputs, for one sequence per row:
-    (dy, C, forward chunk states, dfinal_states) -> what scan gives on the flipped inputs."""
+    runs the scan of dh without flipping the inputs, for one sequence per row or packed ones:
+    (dy, C, forward chunk states, dfinal_states, seq_idx) -> what scan gives on the flipped inputs
+    (sequence edges inside chunks with their own states or gradients take the flipped scan)."""
     scan: Callable
     chunk_grads: Callable
     chunk_size: int = 64
@@ -148,8 +149,8 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     # 2, states only: chunk_grads makes every gradient from the two scans' chunk states. The
     # outputs' varlen states are dh at each sequence's first token (for per-sequence dinit).
     rev_init = _reverse_init(dfinal_states, dvarlen_states)
-    if kernels.reversed_scan is not None and seq_idx is None and not per_sequence_init:
-        rev = kernels.reversed_scan(dy, C, states, rev_init)
+    if kernels.reversed_scan is not None and not per_sequence_init:
+        rev = kernels.reversed_scan(dy, C, states, rev_init, seq_idx)
     else:
         rev = _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, per_sequence_init)
     dh_first, dh_starts = rev[1], rev[2]

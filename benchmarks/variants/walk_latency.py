@@ -39,14 +39,11 @@ VARIANTS = {
     "occ3": lambda: module_from(PACKAGE, [OCCUPANCY_3]),
     "occ4": lambda: module_from(PACKAGE, [("@ct.kernel(occupancy=2)", "@ct.kernel(occupancy=4)")]),
     "occ3_half_tiles": lambda: module_from(PACKAGE, [OCCUPANCY_3, HALF_TILES]),
-    # The rule to adopt if occupancy 3 wins on the 2.7B only: three blocks per SM where two per
-    # SM leave blocks for a second wave (as fwd_pass_state's wide tiles take occupancy 2).
-    "occ3_when_crowded": lambda: module_from(PACKAGE, [
-        ("    has_init = init_state is not None\n    launch((batch * heads, tiles), chunk_states_walk_kernel,",
-         "    has_init = init_state is not None\n    crowded = batch * heads * tiles > FEW_BLOCKS\n"
-         "    launch((batch * heads, tiles), crowded_walk_kernel if crowded else chunk_states_walk_kernel,"),
-        ("\n\ndef chunk_states_walk(",
-         "\n\ncrowded_walk_kernel = chunk_states_walk_kernel.replace_hints(occupancy=3)\n\n\ndef chunk_states_walk(")]),
+    # The rule before experiment 62 (occupancy 2 for every shape), against the package's 4 above
+    # FEW_BLOCKS blocks.
+    "occupancy2": lambda: module_from(PACKAGE, [
+        ("crowded_walk_kernel if batch * heads * tiles > FEW_BLOCKS else chunk_states_walk_kernel",
+         "chunk_states_walk_kernel")]),
     "state128": lambda: module_from(PACKAGE, [("state_tile = min(state_size, 64)", "state_tile = min(state_size, 128)")]),
 }
 ROUNDS = 3  # run58's single timings of the hints moved by up to 25% between shapes: every variant is

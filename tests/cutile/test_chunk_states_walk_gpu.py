@@ -1,6 +1,7 @@
 """The chunk-state walk (cutile/chunk_states_walk.py) on a GPU: forwards it must give the state
 pass's bits at one chunk per segment; backwards (the scan of dh on unflipped dy, c) the float64
-scan on flipped inputs. Outputs start as NaN, inputs are fresh random draws."""
+scan on flipped inputs; both with packed sequences too. Outputs start as NaN, inputs are fresh
+random draws."""
 from dataclasses import replace
 
 import pytest
@@ -40,41 +41,56 @@ def draw(batch, tokens, groups, heads, state, head, dtype, seed):
     return x, dy, b, c, dt, a * dt, randn(batch, heads, head, state), randn(batch, heads, head, state)
 
 
+def packed_sequences(batch, tokens):
+    """seq_idx [batch, tokens] int32: sequences starting inside a chunk, at a chunk's first token
+    and one token long where the tokens allow; row 1 starts at sequence 1, so that the row's
+    initial state is dropped (mamba_ssm's rule: it belongs to sequence 0)."""
+    cuts = torch.tensor(sorted({tokens // 3, tokens // 3 + 1, 64, tokens - 1} - {0}), device="cuda")
+    seq = (torch.arange(tokens, device="cuda")[:, None] >= cuts[None, :]).sum(1).to(torch.int32)
+    return torch.stack([seq + (row == 1) for row in range(batch)]).contiguous()
+
+
 def as_reference(entry_states, heads, state, head):
     """[batch, heads, chunks * state, head] -> [batch, chunks, heads, head, state]."""
     batch = entry_states.shape[0]
     return entry_states.view(batch, heads, -1, state, head).permute(0, 2, 1, 4, 3)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("with_init", [True, False])
 @pytest.mark.parametrize("batch,tokens,groups,heads,state,head,dtype", CASES)
-def test_forward_walk_gives_the_state_pass_bits(batch, tokens, groups, heads, state, head, dtype, with_init):
+def test_forward_walk_gives_the_state_pass_bits(batch, tokens, groups, heads, state, head, dtype, with_init, packed):
     seed = fresh_seed()
     x, _, b, _, dt, log_decay, init, _ = draw(batch, tokens, groups, heads, state, head, dtype, seed)
     init = init if with_init else None
+    seq = packed_sequences(batch, tokens) if packed else None
     with poisoned_outputs():
-        _, final, _, (entry, decay_cumsum, weight_bht) = scan(x, b, b, dt, log_decay, init, outputs=False)
+        _, final, _, (entry, decay_cumsum, weight_bht) = scan(x, b, b, dt, log_decay, init, seq, outputs=False)
         config = replace(choose_config(batch, tokens, groups, heads, head, state, 64, x.device), chunks_per_segment=1)
-        want_entry, want_final = fwd_pass_state(x, b, weight_bht, decay_cumsum, init, 64, config)
+        want_entry, want_final = fwd_pass_state(x, b, weight_bht, decay_cumsum, init, 64, config, seq_idx=seq)
     assert not entry.isnan().any() and not final.isnan().any(), f"seed={seed}: an unwritten state"
-    assert torch.equal(entry, want_entry) and torch.equal(final, want_final), f"seed={seed}"
+    # The walk stores its entry states in x's dtype (experiment 63): the state pass's, rounded once.
+    assert entry.dtype == x.dtype, f"entry states in {entry.dtype}, not x's dtype {x.dtype}"
+    assert torch.equal(entry, want_entry.to(x.dtype)) and torch.equal(final, want_final), f"seed={seed}"
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("with_dfinal", [True, False])
 @pytest.mark.parametrize("batch,tokens,groups,heads,state,head,dtype", CASES)
 def test_reverse_walk_matches_the_flipped_scan_in_float64(batch, tokens, groups, heads, state, head, dtype,
-                                                          with_dfinal):
+                                                          with_dfinal, packed):
     seed = fresh_seed()
     x, dy, b, c, dt, log_decay, _, dfinal = draw(batch, tokens, groups, heads, state, head, dtype, seed)
     dfinal = dfinal if with_dfinal else None
+    seq = packed_sequences(batch, tokens) if packed else None
     with poisoned_outputs():
-        forward_states = scan(x, b, c, dt, log_decay, None, outputs=False)[3]
-        _, dh_first, _, (entry,) = reversed_scan(dy, c, forward_states, dfinal)
+        forward_states = scan(x, b, c, dt, log_decay, None, seq, outputs=False)[3]
+        _, dh_first, _, (entry,) = reversed_scan(dy, c, forward_states, dfinal, seq)
     f64 = torch.float64
     _, want_first, _, (want_entry, _, _) = _flipped_scan(
         pytorch_kernels(f64), dy.to(f64), b.to(f64), c.to(f64), log_decay.to(f64),
-        None if dfinal is None else dfinal.to(f64), None, None, False)
-    where = f"seed={seed} {batch, tokens, groups, heads, state, head, dtype}"
+        None if dfinal is None else dfinal.to(f64), seq, None, False)
+    where = f"seed={seed} {batch, tokens, groups, heads, state, head, dtype} packed={packed}"
     # Operands rounded to x's dtype, as the state pass rounds them (fp32: tf32-level products).
     tolerance = 2e-2 if dtype != torch.float32 else 5e-3
     assert rel_err(as_reference(entry, heads, state, head), want_entry) < tolerance, where

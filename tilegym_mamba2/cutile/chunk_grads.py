@@ -138,9 +138,12 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         sent_pairs = ct.sum(pairs, axis=1)
 
         # The gradient leaving the chunk: sent by s < u (dl), and dxs's and db's second terms.
+        # The states come in x's dtype from the walks (experiment 63): into_next scales the
+        # products, not the stored state, so that the mma operand is rounded once.
         grad_t = ct.load(rev_entry_states, (batch, head, reversed_chunk, 0), (1, 1, state_size, head_size)).reshape(
-            (state_size, head_size)) * into_next
-        to_grad = ct.mma(b_tile, grad_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
+            (state_size, head_size))
+        to_grad = ct.mma(b_tile, grad_t.astype(mma_dtype),
+                         ct.zeros((chunk_size, head_size), dtype=ct.float32)) * into_next
         x_f32 = x_tile.astype(ct.float32)
         sent = dt_tile * from_end * ct.sum(x_f32 * to_grad, axis=1)
         dxs_tile = ct.mma((decay * scores).astype(mma_dtype), dy_tile, to_grad * from_end[:, None])
@@ -157,13 +160,14 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                 ct.store(dd, (batch, chunk, head, 0), ct.sum(x_f32 * dy_f32, axis=0).reshape((1, 1, 1, head_size)))
         ct.store(dx, (batch, chunk, head, 0), dx_tile.astype(dx.dtype).reshape((1, chunk_size, 1, head_size)))
         db_head = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
-                         ct.zeros((chunk_size, state_size), dtype=ct.float32)) * from_end[:, None]
+                         ct.zeros((chunk_size, state_size), dtype=ct.float32)) * (from_end * into_next)[:, None]
         db_head = ct.mma(decayed_products.astype(mma_dtype), c_tile, db_head) * dt_tile[:, None]
         db_sum = db_sum + db_head
 
         state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
             (state_size, head_size))
-        through = ct.exp2(g_end) * ct.sum(ct.sum(grad_t * state_t, axis=1), axis=0, keepdims=True)
+        through = ct.exp2(g_end) * into_next * ct.sum(
+            ct.sum(grad_t.astype(ct.float32) * state_t.astype(ct.float32), axis=1), axis=0, keepdims=True)
         dl_tile = (ct.cumsum(sent, axis=0) - sent
                    - (ct.sum(sent_pairs, axis=0, keepdims=True) - ct.cumsum(sent_pairs, axis=0) + sent_pairs)
                    + ct.where(carried & going_on, through, 0.0))
@@ -242,7 +246,8 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     gated gradient of the layer op), added to dy in the dy . x products, the dy . (c S) terms and
     D dy (experiment 48: the mixer's dA error 1.5e-3 -> mamba_ssm's 4.7e-4 level);
     dt_bht, decay_cumsum [batch, heads, chunks * chunk_size];
-    entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] fp32 (one per chunk);
+    entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] (one per chunk) in
+    x's dtype from the walks, fp32 from the state pass (packed sequences);
     seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None;
     a [heads] fp32
     -> (dx like x, ddt = x . dh b + a dl [batch, heads, chunks * chunk_size] fp32 (stored along

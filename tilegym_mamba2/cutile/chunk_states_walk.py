@@ -6,7 +6,9 @@ needs, writes each chunk's local state, reads it back and writes the entry state
 state tiles per chunk. Here a block walks its (batch, head, state tile) through the chunks and
 stores each entry state once: 2x faster than the state pass on the source config and the 2.7B
 layer (run39, experiment 46). The update is state * exp2(chunk decay) + mma(weighted b, x, 0),
-the state pass's own sum in its own order, so the entry states are the state pass's bits.
+the state pass's own sum in its own order, so the entry states are the state pass's bits,
+stored rounded to x's dtype: chunk_grads rounds them to it for its mma anyway, and at 16 bits
+they are half the bytes of the backward's largest tensors (experiment 63).
 
 ``reverse`` walks from the last chunk to the first on the arrays as they are: the backward's
 scan of dh (backward.py) without flipping dy, b and c along the tokens. Backwards, token t of a
@@ -31,10 +33,10 @@ FEW_BLOCKS = 264  # two per SM of an H200
 
 
 @ct.kernel(occupancy=2)
-def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_states, final_state,
+def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, seq_idx, entry_states, final_state,
                              chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                              state_tile: ct.Constant[int], has_init: ct.Constant[bool],
-                             reverse: ct.Constant[bool]):
+                             reverse: ct.Constant[bool], has_seq: ct.Constant[bool]):
     batch_head, tile = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -42,10 +44,16 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_state
     state_tiles = ct.cdiv(b.shape[3], state_tile)
     p_tile, n_tile = tile // state_tiles, tile % state_tiles
     num_chunks = decay_cumsum.shape[2] // chunk_size
+    tokens = x.shape[1]
 
     if has_init:
         state_t = ct.load(init_state, (batch, head, n_tile, p_tile), (1, 1, state_tile, head_tile),
                           order=(0, 1, 3, 2)).reshape((state_tile, head_tile))
+        if has_seq and not reverse:
+            # A row's initial state belongs to its sequence 0, as in state_scan_kernel. (Backwards,
+            # the final state's gradient belongs to the row's last sequence: keep's mask below.)
+            first_seq = ct.load(seq_idx, (batch, 0), (1, 1))
+            state_t = ct.where(first_seq == 0, state_t, 0.0)
     else:
         state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
     # The loop's loads with a latency hint: nothing in them waits for the state, and at 6 the walks
@@ -54,7 +62,7 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_state
     for step in range(num_chunks):
         chunk = num_chunks - 1 - step if reverse else step
         ct.store(entry_states, (batch, head, step * state_tiles + n_tile, p_tile),
-                 state_t.reshape((1, 1, state_tile, head_tile)))
+                 state_t.astype(entry_states.dtype).reshape((1, 1, state_tile, head_tile)))
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
                          padding_mode=ct.PaddingMode.ZERO, latency=6).reshape((chunk_size, head_tile))
         b_t = ct.load(b, (batch, n_tile, group, chunk), (1, state_tile, 1, chunk_size), order=(0, 3, 2, 1),
@@ -72,6 +80,24 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_state
             keep = ct.exp2(g_last).reshape((1, 1))
             dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size), latency=6).reshape((chunk_size,))
             weight = dt_tile * ct.exp2(g_last - g)
+        if has_seq:
+            # Packed sequences (seq_idx sorted along the tokens): a chunk's tokens enter the state
+            # only if they belong to the sequence the state leaves the chunk in, and the state
+            # crosses the chunk only if no sequence starts inside it or at its far edge. Forwards
+            # these are segment_states_kernel's masks at one chunk per segment (the same bits);
+            # backwards the state leaves through the chunk's first token and arrives from the
+            # next chunk's first token (the row's last token after the last chunk), the masks
+            # the token-flipped scan applies (backward._flipped_scan).
+            seq = ct.load(seq_idx, (batch, chunk), (1, chunk_size), padding_mode=ct.PaddingMode.ZERO,
+                          latency=6).reshape((chunk_size,))
+            if reverse:
+                leaving = ct.extract(seq, (0,), (1,))
+                arriving = ct.load(seq_idx, (batch, min((chunk + 1) * chunk_size, tokens - 1)), (1, 1))
+            else:
+                leaving = ct.load(seq_idx, (batch, min((chunk + 1) * chunk_size, tokens) - 1), (1, 1)).reshape((1,))
+                arriving = ct.load(seq_idx, (batch, max(chunk * chunk_size - 1, 0)), (1, 1))
+            weight = ct.where(seq == leaving, weight, 0.0)
+            keep = ct.where(arriving == leaving.reshape((1, 1)), keep, 0.0)
         # The same bf16 operand as segment_states_kernel's at one chunk per segment.
         weighted_b = (b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype)
         state_t = state_t * keep + ct.mma(weighted_b, x_tile, ct.zeros((state_tile, head_tile), dtype=ct.float32))
@@ -79,26 +105,36 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, entry_state
              order=(0, 1, 3, 2))
 
 
-def chunk_states_walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, *, reverse=False):
+def chunk_states_walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, *, reverse=False, seq_idx=None):
     """x [batch, tokens, heads, head_size]; b [batch, tokens, groups, state_size] in x's dtype;
     dt_bht, decay_cumsum (base 2) [batch, heads, chunks * chunk_size] fp32 as chunk_cumsum lays
     them out (dt_bht unread with ``reverse``); init_state [batch, heads, head_size, state_size]
     fp32 or None.
-    -> (entry_states [batch, heads, chunks * state_size, head_size] fp32, in walk order,
+    -> (entry_states [batch, heads, chunks * state_size, head_size] in x's dtype, in walk order,
         final_state [batch, heads, head_size, state_size] fp32).
-    ``reverse``: the scan of dh, with x = dy, b = c, init_state = the final state's gradient."""
+    ``reverse``: the scan of dh, with x = dy, b = c, init_state = the final state's gradient.
+    seq_idx: [batch, tokens] int32 sequence ids (sorted along the tokens) or None."""
     batch, _, heads, head_size = x.shape
     state_size = b.shape[3]
     chunks = decay_cumsum.shape[2] // chunk_size
-    entry_states = new_output(batch, heads, chunks * state_size, head_size, dtype=torch.float32, device=x.device)
+    entry_states = new_output(batch, heads, chunks * state_size, head_size, dtype=x.dtype, device=x.device)
     final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
     state_tile = min(state_size, 64)
     head_tile = min(head_size, 64)
     if batch * heads * (head_size // head_tile) * (state_size // state_tile) < FEW_BLOCKS:
         head_tile = min(head_size, 32)
     tiles = (head_size // head_tile) * (state_size // state_tile)
-    has_init = init_state is not None
-    launch((batch * heads, tiles), chunk_states_walk_kernel,
-           (x, b, dt_bht, decay_cumsum, init_state if has_init else final_state, entry_states, final_state,
-            chunk_size, head_tile, state_tile, has_init, reverse))
+    has_init, has_seq = init_state is not None, seq_idx is not None
+    kernel = crowded_walk_kernel if batch * heads * tiles > FEW_BLOCKS else chunk_states_walk_kernel
+    launch((batch * heads, tiles), kernel,
+           (x, b, dt_bht, decay_cumsum, init_state if has_init else final_state,
+            seq_idx if has_seq else decay_cumsum, entry_states, final_state,  # unread without has_seq
+            chunk_size, head_tile, state_tile, has_init, reverse, has_seq))
     return entry_states, final_state
+
+
+# Above FEW_BLOCKS the walk at occupancy 2 runs in two waves (the 2.7B layer: 320 blocks, 264 at a
+# time); at 4 they all fit (experiment 62, run64: 0.367 / 0.355 -> 0.313 / 0.316 ms forward /
+# reverse, the same bits; at occupancy 3, 0.338 / 0.332; at 4 on the source config's 128 blocks,
+# 0.194 / 0.189 against 0.193 / 0.181, so fewer blocks keep 2).
+crowded_walk_kernel = chunk_states_walk_kernel.replace_hints(occupancy=4)

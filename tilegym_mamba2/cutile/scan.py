@@ -14,7 +14,6 @@ from ..backward import Kernels, group_sums
 from .chunk_cumsum import given_decay_cumsum
 from .chunk_grads import chunk_grads as chunk_grads_kernel
 from .chunk_states_walk import chunk_states_walk
-from .fwd_pass_state import fwd_pass_state
 from .scan_combined import scan_stages
 from .tuning import choose_config
 
@@ -39,26 +38,26 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     if not outputs:
         # Chunk states only: per-sequence initial states stay out of them, as in scan_stages.
         row_init = None if init is not None and cu is not None and init.shape[0] != batch else init
-        if seq is None:  # the walk: the state pass's bits, 2x faster
-            entry_states, final_states = chunk_states_walk(x, b, weight_bht, decay_cumsum, row_init, chunk)
-        else:
-            entry_states, final_states = fwd_pass_state(x, b, weight_bht, decay_cumsum, row_init, chunk, config,
-                                                        seq_idx=seq)
+        # The walk: the state pass's bits, 2x faster (experiment 46; with packed sequences too,
+        # experiment 64).
+        entry_states, final_states = chunk_states_walk(x, b, weight_bht, decay_cumsum, row_init, chunk, seq_idx=seq)
         return None, final_states, None, (entry_states, decay_cumsum, weight_bht)
     y, final_states, varlen, entry_states = scan_stages(x, b, c, None, None, weight_bht, decay_cumsum, init, seq, cu,
                                                         config, with_varlen_states=cu is not None)
     return y, final_states, varlen, (entry_states, decay_cumsum, weight_bht)
 
 
-def reversed_scan(dy, c, forward_states, dfinal_states):
-    """The scan of dh from the last chunk to the first on dy and c as they are (one sequence per
-    row) -> (None, dh before the first token's decay, None, (its entry states in reversed chunk
-    order,)), what the scan on token-flipped inputs gives (backward.py)."""
+def reversed_scan(dy, c, forward_states, dfinal_states, seq_idx=None):
+    """The scan of dh from the last chunk to the first on dy and c as they are (packed sequences
+    in seq_idx, or one per row) -> (None, dh before the first token's decay, None, (its entry
+    states in reversed chunk order,)), what the scan on token-flipped inputs gives (backward.py)."""
     decay_cumsum = forward_states[1]
     if dfinal_states is not None:
         dfinal_states = dfinal_states.to(torch.float32).contiguous()
     dy, c = (t if t.stride(-1) == 1 else t.contiguous() for t in (dy, c))
-    entry_states, dh_first = chunk_states_walk(dy, c, decay_cumsum, decay_cumsum, dfinal_states, 64, reverse=True)
+    seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
+    entry_states, dh_first = chunk_states_walk(dy, c, decay_cumsum, decay_cumsum, dfinal_states, 64, reverse=True,
+                                               seq_idx=seq)
     return None, dh_first, None, (entry_states,)
 
 
