@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh occupancy66 1 GPU, ~3 minutes: experiment 66 (chunk_grads at occupancy 2) timed, bits compared
 #   bash benchmarks/device_check.sh seventeenth 1 GPU, ~9 minutes: experiments 62-64 in the package: per-head gradient
 #                                           errors over 32 seeds before/after, backward GPU tests, bench --backward
 #   bash benchmarks/device_check.sh tf32_65 1 GPU, ~9 minutes: experiment 65 (fp32 inputs' backward mma in tf32 under
@@ -98,6 +99,15 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+occupancy66)
+  # Experiment 66: chunk_grads' two kernels at occupancy 2 (they fit two blocks per SM since the
+  # chunk states are 16-bit, cpu_sm90/chunk_grads_occupancy66.log), the whole plain-op backward
+  # timed per variant with the kernels' own GPU time and the gradients against the package's
+  # (the package timed first and last, for drift), ~3 minutes.
+  (cd benchmarks/variants && timeout 280 python3 chunk_grads_split.py split split_both_occ2 split_columns_occ2 \
+    split_rows_occ2 split) > "$out/occupancy66.log" 2>&1
+  grep -E " ms |Error" "$out/occupancy66.log" | cut -c1-300
+  ;;
 seventeenth)
   # The seventeenth session's check of experiments 62-64 in the package: the per-head gradients'
   # errors over 32 seeds before (the sixteenth session's package, .device/before17 =

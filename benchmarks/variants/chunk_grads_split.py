@@ -5,9 +5,9 @@ torch.profiler, and each variant's gradients against the joint kernel's (fp32 su
 order).
 
     python3 benchmarks/variants/chunk_grads_split.py [B,T,G,H,N,P ...] [variant ...]
-    python benchmarks/variants/chunk_grads_split.py --resources [variant ...]   (CPU: registers,
-        spills and shared memory of each variant's kernels at the 2.7B layer's JIT signatures,
-        kernel_remarks.py)
+    python benchmarks/variants/chunk_grads_split.py --resources [B,T,G,H,N,P ...] [variant ...]
+        (CPU: registers, spills and shared memory of each variant's kernels at the JIT's
+        signatures, kernel_remarks.py; the 2.7B layer's unless shapes are given)
 """
 import importlib.util
 import pathlib
@@ -23,6 +23,9 @@ from timing import backward_inputs, median_ms
 HERE = pathlib.Path(__file__).resolve().parent
 PACKAGE = HERE.parents[1] / "tilegym_mamba2" / "cutile" / "chunk_grads.py"
 SHAPES = ("4,16384,1,8,128,64", "2,8192,1,80,128,64")
+ROWS_OCC2 = ("@ct.kernel(occupancy=1)\ndef chunk_grads_rows_kernel", "@ct.kernel(occupancy=2)\ndef chunk_grads_rows_kernel")
+COLUMNS_OCC2 = ("@ct.kernel(occupancy=1)\ndef chunk_grads_columns_kernel",
+                "@ct.kernel(occupancy=2)\ndef chunk_grads_columns_kernel")
 NAMES = ("grad_x", "grad_a", "grad_b", "grad_c", "grad_d", "grad_dt", "grad_init")
 
 
@@ -43,8 +46,12 @@ def module_from(path, edits=()):
 VARIANTS = {
     "joint": lambda: module_from(HERE / "chunk_grads_joint.py"),
     "split": lambda: module_from(PACKAGE),
-    "split_rows_occ2": lambda: module_from(PACKAGE, [(
-        "@ct.kernel(occupancy=1)\ndef chunk_grads_rows_kernel", "@ct.kernel(occupancy=2)\ndef chunk_grads_rows_kernel")]),
+    "split_rows_occ2": lambda: module_from(PACKAGE, [ROWS_OCC2]),
+    # Experiment 66: with 16-bit chunk states (experiment 63) both kernels compile at occupancy 2
+    # to two blocks per SM for state <= 128, head 64 (128 registers, 114 / 89 KB, no more stack);
+    # run50's rows kernel at occupancy 2 was 1.8x slower with fp32 states.
+    "split_columns_occ2": lambda: module_from(PACKAGE, [COLUMNS_OCC2]),
+    "split_both_occ2": lambda: module_from(PACKAGE, [COLUMNS_OCC2, ROWS_OCC2]),
     # A probe (dl wrong): what the fp32 dot <dS, S> costs the columns kernel. (run51's variant, dl's
     # pairs summed directly in the rows kernel, is chunk_grads.py at 31037c8; the columns kernel
     # on [t, s] tiles, timed against the package's [s, t] one in run53, is chunk_grads.py at d901859.)
@@ -86,20 +93,21 @@ def run(shape, names):
     scan.chunk_grads_kernel = original
 
 
-def resources(names):
+def resources(names, shapes):
     from kernel_remarks import backward_launches, compile_and_report
-    for name in names:
-        scan.chunk_grads_kernel = VARIANTS[name]().chunk_grads
-        launches = backward_launches((2, 8192, 1, 80, 128, 64))
-        print(f"### {name}", flush=True)
-        compile_and_report([(k, a) for k, a in launches if k._pyfunc.__name__.startswith("chunk_grads")])
+    for shape in shapes:
+        for name in names:
+            scan.chunk_grads_kernel = VARIANTS[name]().chunk_grads
+            launches = backward_launches(shape)
+            print(f"### {shape} {name}", flush=True)
+            compile_and_report([(k, a) for k, a in launches if k._pyfunc.__name__.startswith("chunk_grads")])
 
 
 if __name__ == "__main__":
-    if "--resources" in sys.argv:
-        resources([a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS))
-        sys.exit()
-    shapes = [a for a in sys.argv[1:] if "," in a] or SHAPES
+    shapes = [tuple(int(v) for v in a.split(",")) for a in sys.argv[1:] if "," in a]
     names = [a for a in sys.argv[1:] if a in VARIANTS] or list(VARIANTS)
-    for text in shapes:
-        run(tuple(int(v) for v in text.split(",")), names)
+    if "--resources" in sys.argv:
+        resources(names, shapes or [(2, 8192, 1, 80, 128, 64)])
+        sys.exit()
+    for shape in shapes or [tuple(int(v) for v in text.split(",")) for text in SHAPES]:
+        run(shape, names)
