@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh state67 1 GPU, ~2 minutes: experiment 67 (the decode step on a persistent grid) timed, bits checked
 #   bash benchmarks/device_check.sh occupancy66 1 GPU, ~3 minutes: experiment 66 (chunk_grads at occupancy 2) timed, bits compared
 #   bash benchmarks/device_check.sh seventeenth 1 GPU, ~9 minutes: experiments 62-64 in the package: per-head gradient
 #                                           errors over 32 seeds before/after, backward GPU tests, bench --backward
@@ -99,6 +100,12 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+state67)
+  # Experiment 67: selective_state_update on a persistent grid (SMs x 8 or 16 blocks walking
+  # 4- to 16-row tiles) against the package and mamba_ssm, CUDA-graph replay, bits checked (~2 minutes).
+  (cd benchmarks/variants && timeout 200 python3 state_update_persistent.py 1 8 64 256) > "$out/state67.log" 2>&1
+  grep -vE "Warn|warn|^ +" "$out/state67.log" | cut -c1-200
+  ;;
 occupancy66)
   # Experiment 66: chunk_grads' two kernels at occupancy 2 (they fit two blocks per SM since the
   # chunk states are 16-bit, cpu_sm90/chunk_grads_occupancy66.log), the whole plain-op backward

@@ -33,7 +33,7 @@ from tilegym_mamba2.cutile import launch  # noqa: E402
 # The CUDA-only pieces of the host path, stood in for on a CPU.
 torch.cuda.is_current_stream_capturing = lambda: False
 torch.cuda.get_device_name = lambda device=None: "NVIDIA H200"
-validation._check_cutile_limits = lambda device, head_size, state_size: None
+validation._check_cutile_limits = lambda device, head_size, state_size, split_state=False: None
 
 PREFILL = (1, 2048, 1, 32, 128, 64)  # batch, tokens, groups, heads, state_size, head_size
 
