@@ -59,6 +59,16 @@ def implementations():
     return found, notes
 
 
+def _first_forward(inputs) -> float:
+    """Seconds of the forward's first call alone (its compiles and tuning), so that the backward's
+    first call (the issue's "under 10 s") shows apart from it."""
+    import tilegym_mamba2
+    start = time.perf_counter()
+    tilegym_mamba2.mamba2_chunk_forward(**inputs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def _autograd(forward, inputs, dout, dfinal):
     leaves = {k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     out, final = forward(**leaves)
@@ -109,6 +119,7 @@ def run_backward_bench(shapes=ANCHOR_SHAPES[:2], tilegym_shapes=2, only=None, lo
                 continue
             try:
                 start = time.perf_counter()
+                first_forward = _first_forward(inputs) if name == "ours" else None
                 grads = fn(inputs, dout, dfinal)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - start
@@ -116,8 +127,12 @@ def run_backward_bench(shapes=ANCHOR_SHAPES[:2], tilegym_shapes=2, only=None, lo
                 del grads
                 ms = measure(lambda: fn(inputs, dout, dfinal))
                 row = dict(shape=shape, impl=name, ms=ms, max_rel_err=err, first_call_s=first, floor_ms=floor_ms)
+                parts = ""
+                if first_forward is not None:
+                    row.update(first_forward_s=first_forward, first_backward_s=first - first_forward)
+                    parts = f" (forward {first_forward:.1f}, backward {first - first_forward:.1f})"
                 log(f"{str(shape):32s} {name:14s} fwd+bwd {ms:8.3f} ms  max grad err {err:.1e}  "
-                    f"first call {first:.1f} s  (floor {floor_ms:.3f} ms)")
+                    f"first call {first:.1f} s{parts}  (floor {floor_ms:.3f} ms)")
             except Exception as e:
                 row = dict(shape=shape, impl=name, ms=None, note=f"failed: {type(e).__name__}: {str(e)[:200]}")
                 log(f"{str(shape):32s} {name:14s} {row['note']}")
