@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh packed68 1 GPU, ~7 minutes: experiment 68 (packed walks without per-step id loads) timed, walk and packed tests
 #   bash benchmarks/device_check.sh state67 1 GPU, ~2 minutes: experiment 67 (the decode step on a persistent grid) timed, bits checked
 #   bash benchmarks/device_check.sh occupancy66 1 GPU, ~3 minutes: experiment 66 (chunk_grads at occupancy 2) timed, bits compared
 #   bash benchmarks/device_check.sh seventeenth 1 GPU, ~9 minutes: experiments 62-64 in the package: per-head gradient
@@ -100,6 +101,26 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+packed68)
+  # Experiment 68 (a patch on the seventeenth session's package): the packed walks take the
+  # sequence ids at the chunks' edges from the chunk's own tile and the previous step. The layer
+  # op's forward + backward with and without seq_idx timed before and after, then the walk's GPU
+  # tests (packed cases: the state pass's bits) and the packed layer cases in three dtypes (~7 minutes).
+  limit=${LIMIT_S:-250}
+  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_before.log" 2>&1
+  apply_once benchmarks/variants/experiment68_walk_edge_ids.patch || exit 1
+  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_after.log" 2>&1
+  grep -E " bench |Error" "$out"/packed_before.log "$out"/packed_after.log | cut -c1-220
+  packed="(seq_idx or cu_seqlens or per_sequence)"
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_walk.log" 2>&1 &
+  backward_tests a "layer_autograd and dtype0 and $packed" &
+  backward_tests b "layer_autograd and dtype1 and $packed" &
+  backward_tests c "layer_autograd and dtype2 and $packed"
+  wait
+  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_[abc].log
+  archive_logs
+  ;;
 state67)
   # Experiment 67: selective_state_update on a persistent grid (SMs x 8 or 16 blocks walking
   # 4- to 16-row tiles) against the package and mamba_ssm, CUDA-graph replay, bits checked (~2 minutes).
