@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh split69 1 GPU, ~1 minute: experiment 69 (per-head gradients with and without the dy split)
 #   bash benchmarks/device_check.sh packed68 1 GPU, ~7 minutes: experiment 68 (packed walks without per-step id loads) timed, walk and packed tests
 #   bash benchmarks/device_check.sh state67 1 GPU, ~2 minutes: experiment 67 (the decode step on a persistent grid) timed, bits checked
 #   bash benchmarks/device_check.sh occupancy66 1 GPU, ~3 minutes: experiment 66 (chunk_grads at occupancy 2) timed, bits compared
@@ -101,6 +102,13 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+split69)
+  # Experiment 69 (a diagnostic): the mixer's per-head gradients over seeds 1-16 with the gated dy
+  # as two bf16 terms (the package) and rounded once (as mamba_ssm), ~1 minute.
+  (cd benchmarks/variants && timeout 100 python3 per_head_grad_seeds.py --seeds 16 > "$out/with_split.log" 2>&1
+   timeout 100 python3 per_head_grad_seeds.py --seeds 16 --without-dy-low > "$out/without_split.log" 2>&1)
+  grep -H summary "$out"/with_split.log "$out"/without_split.log | cut -c1-200
+  ;;
 packed68)
   # Experiment 68 (a patch on the seventeenth session's package): the packed walks take the
   # sequence ids at the chunks' edges from the chunk's own tile and the previous step. The layer

@@ -4,7 +4,7 @@ tests/test_backward_gpu.py::test_layer_gradients_next_to_mamba_ssm over many see
 gradient's error against float64, ours and (with --peer) mamba_ssm's, then the geometric mean and
 range of each. Seeds are 1..N, so a run before and after a change sees the same inputs.
 
-    python3 benchmarks/variants/per_head_grad_seeds.py [--seeds 32] [--peer]
+    python3 benchmarks/variants/per_head_grad_seeds.py [--seeds 32] [--peer] [--without-dy-low]
 """
 import argparse
 import math
@@ -45,7 +45,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=32)
     parser.add_argument("--peer", action="store_true", help="mamba_ssm's gradients as well")
+    parser.add_argument("--without-dy-low", action="store_true",
+                        help="ours with the gated dy rounded once to bf16 for every use, as mamba_ssm does "
+                             "(no dy_low: experiment 48's split undone), to see which gradients the split moves")
     args = parser.parse_args()
+    if args.without_dy_low:
+        from tilegym_mamba2 import backward
+        with_split = backward.scan_backward
+        backward.scan_backward = lambda *a, dy_low=None, **k: with_split(*a, **k)
     impls = {"ours": tilegym_mamba2.mamba_chunk_scan_combined}
     if args.peer:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
