@@ -53,7 +53,7 @@ STATE_UPDATE_BAD = [
     ("dt_softplus", 1, TypeError),
     ("state_batch_indices", torch.tensor([0.0, 1.0]), TypeError),
     ("state_batch_indices", torch.tensor([0, 1, 2]), ValueError),
-]
+] + [(name, None, TypeError) for name in ("state", "x", "dt", "A", "B", "C")]  # required: None is refused
 
 
 @pytest.mark.parametrize("name,value,error", STATE_UPDATE_BAD, ids=[f"{n}-{i}" for i, (n, _, _) in

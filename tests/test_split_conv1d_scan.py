@@ -169,6 +169,13 @@ def test_bad_input_names_the_argument(change, message):
         tilegym_mamba2.mamba_split_conv1d_scan_combined(*args.values(), **kw)
 
 
+def test_integer_zxbcdt_is_named():
+    args, kw = make_case("hf_mixer")
+    args["zxbcdt"] = args["zxbcdt"].to(torch.int64)
+    with pytest.raises(TypeError, match="zxbcdt must be a floating-point"):
+        tilegym_mamba2.mamba_split_conv1d_scan_combined(*args.values(), **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hf_mixer", "packed"])
 def test_cutile_backend_matches_float64_on_the_gpu(name):

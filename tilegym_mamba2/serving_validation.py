@@ -47,7 +47,7 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     dtypes = CUTILE_DTYPES if backend == "cutile" else PYTORCH_DTYPES
     named = {"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias}
     for name, t in named.items():
-        if t is not None:
+        if t is not None or name in ("state", "x", "dt", "A", "B", "C"):  # the rest are optional
             _expect_tensor(name, t)
             _expect_dtype(name, t, dtypes, backend)
     if state.ndim not in (3, 4):

@@ -125,6 +125,9 @@ def _check(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim, ngroups, 
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if zxbcdt.ndim != 3:
         raise ValueError(f"zxbcdt must be [batch, seqlen, channels], got shape {tuple(zxbcdt.shape)}")
+    if not zxbcdt.is_floating_point():  # else the convolution's check would name its input x
+        raise TypeError(f"zxbcdt must be a floating-point tensor (bfloat16, float16, float32 or float64), "
+                        f"got {zxbcdt.dtype}")
     if D.ndim == 1:
         if not isinstance(headdim, int) or headdim < 1:
             raise ValueError(f"headdim must be a positive int when D is [nheads], got {headdim!r}")
