@@ -68,10 +68,15 @@ OPS = {  # name -> (arguments, call(arguments, backend))
 
 def bad_value(value, rng):
     """One wrong variant of an argument: another dtype, a dimension short or extra, flattened,
-    transposed, None, or for a non-tensor another kind of value."""
+    transposed, empty, None, the same values in another memory layout, or for a non-tensor
+    another kind of value."""
     if not isinstance(value, torch.Tensor):
         return rng.choice([0, -1, 3, 7, None, "x", 1.5])
-    kind = rng.randrange(7)
+    kind = rng.randrange(9)
+    if kind == 7 and value.ndim > 1:
+        return value[:, :0]
+    if kind == 8 and value.ndim > 1:  # the same values, not contiguous: must run or be refused by name
+        return value.transpose(0, 1).contiguous().transpose(0, 1)
     if kind == 0:
         return value.to(torch.int64) if value.is_floating_point() else value.float()
     if kind == 1:
@@ -108,7 +113,7 @@ def sweep(op, backend, device, trials):
 
 @pytest.mark.parametrize("op", list(OPS))
 def test_bad_arguments_raise_value_or_type_errors(op):
-    sweep(op, "pytorch", "cpu", 60)
+    sweep(op, "pytorch", "cpu", 300)
 
 
 @pytest.mark.gpu

@@ -123,8 +123,9 @@ def _check(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim, ngroups, 
                     ("D", D)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if zxbcdt.ndim != 3:
-        raise ValueError(f"zxbcdt must be [batch, seqlen, channels], got shape {tuple(zxbcdt.shape)}")
+    if zxbcdt.ndim != 3 or min(zxbcdt.shape[:2]) < 1:
+        raise ValueError(f"zxbcdt must be [batch, seqlen, channels] with batch and seqlen at least 1, "
+                         f"got shape {tuple(zxbcdt.shape)}")
     if not zxbcdt.is_floating_point():  # else the convolution's check would name its input x
         raise TypeError(f"zxbcdt must be a floating-point tensor (bfloat16, float16, float32 or float64), "
                         f"got {zxbcdt.dtype}")
@@ -139,8 +140,9 @@ def _check(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim, ngroups, 
     if not isinstance(ngroups, int) or ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ngroups must be a positive int dividing nheads ({nheads}), got {ngroups!r}")
     dim = nheads * headdim
-    if conv1d_weight.ndim != 2 or (conv1d_weight.shape[0] - dim) <= 0 or (conv1d_weight.shape[0] - dim) % (2 * ngroups):
-        raise ValueError(f"conv1d_weight must be [dim + 2 * ngroups * dstate, width] with dim = {dim}, "
+    if (conv1d_weight.ndim != 2 or (conv1d_weight.shape[0] - dim) <= 0
+            or (conv1d_weight.shape[0] - dim) % (2 * ngroups) or conv1d_weight.shape[1] < 1):
+        raise ValueError(f"conv1d_weight must be [dim + 2 * ngroups * dstate, width >= 1] with dim = {dim}, "
                          f"ngroups = {ngroups}, got shape {tuple(conv1d_weight.shape)}")
     dstate = (conv1d_weight.shape[0] - dim) // (2 * ngroups)
     extra = zxbcdt.shape[2] - 2 * dim - 2 * ngroups * dstate - nheads
