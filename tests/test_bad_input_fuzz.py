@@ -9,7 +9,7 @@ import torch
 
 import tilegym_mamba2 as tm
 
-B, T, H, P, N, G = 2, 70, 4, 8, 16, 2
+B, T, H, P, N, G = 2, 70, 4, 16, 16, 2  # sizes the cutile kernels take
 
 
 def scan_kw():
