@@ -247,7 +247,8 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     D dy (experiment 48: the mixer's dA error 1.5e-3 -> mamba_ssm's 4.7e-4 level);
     dt_bht, decay_cumsum [batch, heads, chunks * chunk_size];
     entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] (one per chunk) in
-    x's dtype from the walks, fp32 from the state pass (packed sequences);
+    x's dtype from the walks, fp32 from the state pass (a scan that also makes y, the flipped
+    scan of sequences with their own initial states);
     seq_idx [batch, tokens] int32 or None; d (the skip) [heads] or [heads, head_size] fp32 or None;
     a [heads] fp32
     -> (dx like x, ddt = x . dh b + a dl [batch, heads, chunks * chunk_size] fp32 (stored along
