@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh eighteenth 1 GPU, ~9 minutes: experiment 66 in the package: backward GPU tests, GPU bad-input sweep, bench --backward
+#   bash benchmarks/device_check.sh fp32_66 1 GPU, ~5 minutes: experiment 66 with fp32 inputs, each kernel at occupancy 1 and 2
 #   bash benchmarks/device_check.sh split69 1 GPU, ~1 minute: experiment 69 (per-head gradients with and without the dy split)
 #   bash benchmarks/device_check.sh packed68 1 GPU, ~7 minutes: experiment 68 (packed walks without per-step id loads) timed, walk and packed tests
 #   bash benchmarks/device_check.sh state67 1 GPU, ~2 minutes: experiment 67 (the decode step on a persistent grid) timed, bits checked
@@ -102,6 +104,32 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+eighteenth)
+  # The eighteenth session's check of experiment 66 in the package (chunk_grads at occupancy 2):
+  # the backward's GPU tests in five processes (plain op + state 512, next to mamba_ssm over 4
+  # seeds, the layer op in three dtypes with compile) and the GPU bad-input sweep, then bench --backward.
+  limit=${LIMIT_S:-240}
+  backward_tests plain "chunk_backward_matches or state_512" &
+  backward_tests a "mamba_ssm" &
+  backward_tests d "layer_autograd and dtype2" &
+  backward_tests b "layer_autograd and dtype1" &
+  backward_tests c "(layer_autograd and dtype0) or compile" &
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/test_bad_input_fuzz.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_fuzz.log" 2>&1
+  wait
+  test_summaries "$out"/gpu_backward_plain.log "$out"/gpu_backward_[abcd].log "$out"/gpu_fuzz.log
+  timeout "${BENCH_S:-270}" python3 -m tilegym_mamba2 bench --backward --only mamba_ssm \
+    --json "$out/backward.json" > "$out/backward.log" 2>&1
+  tail -14 "$out/backward.log"
+  archive_logs
+  ;;
+fp32_66)
+  # Experiment 66 with fp32 inputs (their chunk states stay fp32, and run50's rows kernel at
+  # occupancy 2 was 1.8x slower so): the package (both kernels at 2) against each at 1 (~5 minutes).
+  (cd benchmarks/variants && timeout 380 python3 chunk_grads_split.py --float32 split split_occ1 split_rows_occ1 \
+    split_columns_occ1 split) > "$out/fp32_66.log" 2>&1
+  grep -E " ms |Error" "$out/fp32_66.log" | cut -c1-300
+  ;;
 split69)
   # Experiment 69 (a diagnostic): the mixer's per-head gradients over seeds 1-16 with the gated dy
   # as two bf16 terms (the package) and rounded once (as mamba_ssm), ~1 minute.
@@ -140,8 +168,8 @@ occupancy66)
   # chunk states are 16-bit, cpu_sm90/chunk_grads_occupancy66.log), the whole plain-op backward
   # timed per variant with the kernels' own GPU time and the gradients against the package's
   # (the package timed first and last, for drift), ~3 minutes.
-  (cd benchmarks/variants && timeout 280 python3 chunk_grads_split.py split split_both_occ2 split_columns_occ2 \
-    split_rows_occ2 split) > "$out/occupancy66.log" 2>&1
+  (cd benchmarks/variants && timeout 280 python3 chunk_grads_split.py split split_occ1 split_columns_occ1 \
+    split_rows_occ1 split) > "$out/occupancy66.log" 2>&1
   grep -E " ms |Error" "$out/occupancy66.log" | cut -c1-300
   ;;
 seventeenth)

@@ -23,6 +23,8 @@ from tilegym_mamba2.cutile import selective_state_update as ssu
 CALLS = 8
 SMS = 132  # an H200's
 VARIANTS = [(head_tile, per_sm) for head_tile in (4, 8, 16) for per_sm in (8, 16)]
+_HINTED = {}  # per_sm -> the kernel with that occupancy hint, made once: a new kernel object loads
+              # its module on first launch, which a CUDA-graph capture forbids (run71 aborted so)
 
 
 @ct.kernel(occupancy=8)
@@ -51,7 +53,9 @@ def persistent_call(kwargs, head_tile, per_sm):
     (batch, heads, _), constants = ssu.launch_plan(args)
     tiles = batch * heads * -(-args[1].shape[2] // head_tile)
     package_kernel = ssu.selective_state_update_kernel
-    ssu.selective_state_update_kernel = persistent_state_update_kernel.replace_hints(occupancy=per_sm)
+    if per_sm not in _HINTED:
+        _HINTED[per_sm] = persistent_state_update_kernel.replace_hints(occupancy=per_sm)
+    ssu.selective_state_update_kernel = _HINTED[per_sm]
     try:
         return ssu.run_state_update(args, ((min(tiles, SMS * per_sm),), (head_tile, *constants[1:])))
     finally:

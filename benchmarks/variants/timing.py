@@ -50,10 +50,10 @@ def tuned_inputs(shape):
     return args, config, dt_bht, g
 
 
-def backward_inputs(shape):
+def backward_inputs(shape, dtype=torch.bfloat16):
     """GPU inputs of mamba2_chunk_backward for a shape: the forward's keyword arguments, dout and
     dfinal_state."""
-    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda", dtype=dtype)
     inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
     return inputs, torch.randn_like(inputs["x"]), torch.randn_like(inputs["init_state"])
 

@@ -1,6 +1,6 @@
-"""Experiment 64 (CPU, no GPU): the chunk-state walk's arithmetic with packed sequences, written
-out in float64 torch step by step as chunk_states_walk_kernel runs it (the masks of
-experiment 64's patch included), against the pytorch backend's scan forwards and its scan on
+"""Experiments 64 and 68 (CPU, no GPU): the chunk-state walk's arithmetic with packed sequences,
+written out in float64 torch step by step as chunk_states_walk_kernel runs it (its masks, the
+sequence ids at the chunks' edges as experiment 68 takes them), against the pytorch backend's scan forwards and its scan on
 token-flipped inputs backwards (backward._flipped_scan). It checks the masks' logic, not the
 cuTile code (tests/cutile/test_chunk_states_walk_gpu.py does that on a GPU).
 
@@ -36,6 +36,7 @@ def walk(x, b, dt, log_decay, init, seq_idx, reverse):
     if init is not None and seq is not None and not reverse:
         state = state * (seq_idx[:, 0] == 0)[:, None, None, None]
     entries = []
+    carried = None  # the id the state left the previous step's chunk through (experiment 68)
     for step in range(chunks):
         chunk = chunks - 1 - step if reverse else step
         entries.append(state)
@@ -49,12 +50,16 @@ def walk(x, b, dt, log_decay, init, seq_idx, reverse):
             keep = torch.exp2(g_last)[:, 0]
             weight = ws[:, chunk] * torch.exp2(g_last - gc)
         if seq is not None:
+            # As the kernel takes them since experiment 68: from the chunk's tile (its first id,
+            # the largest id among its tokens in the row) and the previous step's.
+            in_row = chunk * L + torch.arange(L) < tokens
+            first_id = seq[:, chunk, 0]
+            last_id = torch.where(in_row, seq[:, chunk], torch.iinfo(torch.int32).min).amax(1)
             if reverse:
-                leaving = seq[:, chunk, 0]
-                arriving = seq_idx[:, min((chunk + 1) * L, tokens - 1)]
+                leaving, arriving = first_id, last_id if step == 0 else carried
             else:
-                leaving = seq_idx[:, min((chunk + 1) * L, tokens) - 1]
-                arriving = seq_idx[:, max(chunk * L - 1, 0)]
+                leaving, arriving = last_id, first_id if step == 0 else carried
+            carried = leaving
             weight = weight * (seq[:, chunk] == leaving[:, None])[..., None]
             keep = keep * (arriving == leaving)[:, None]
         update = torch.einsum("blh,blhn,blhp->bhpn", weight, bs[:, chunk], xs[:, chunk])
@@ -80,7 +85,8 @@ def check(batch, tokens, groups, heads, state, head, seed):
     init, dfinal = randn(batch, heads, head, state), randn(batch, heads, head, state)
     kernels = pytorch_kernels(F64)
     worst = 0.0
-    for seq_idx in (None, packed(batch, tokens)):
+    # Negative ids too: the kernel's largest id must leave the padding (id 0) out.
+    for seq_idx in (None, packed(batch, tokens), packed(batch, tokens) - 10):
         got, got_final = walk(x, b, dt, log_decay, init, seq_idx, reverse=False)
         _, want_final, _, (want, _, _) = kernels.scan(x, b, b, dt, log_decay, init, seq_idx, None, outputs=False)
         got_rev, got_first = walk(dy, c, dt, log_decay, dfinal, seq_idx, reverse=True)
@@ -93,4 +99,5 @@ def check(batch, tokens, groups, heads, state, head, seed):
 if __name__ == "__main__":
     for case in ((2, 1000, 2, 4, 16, 8), (2, 64, 1, 2, 8, 4), (2, 130, 1, 2, 8, 4), (1, 1, 1, 2, 8, 4),
                  (3, 577, 1, 4, 8, 8)):
-        print(case, "worst rel err", f"{check(*case, seed=0):.1e}")
+        worst = check(*case, seed=0)
+        print(case, "worst rel err", f"{worst:.1e}", "ok" if worst < 1e-12 else "DIFFERS")

@@ -71,7 +71,7 @@ def _head_tiles(x, dy, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, hea
     return x_tile, dy_tile, dt_tile, g
 
 
-@ct.kernel(occupancy=1)
+@ct.kernel(occupancy=2)
 def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx,
                                d, dx, ddt_input, dl, db, dd, chunk_size: ct.Constant[int], head_size: ct.Constant[int],
                                state_size: ct.Constant[int], has_seq: ct.Constant[bool],
@@ -176,7 +176,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
     ct.store(db, (batch, chunk, block, 0), db_sum.reshape((1, chunk_size, 1, state_size)))
 
 
-@ct.kernel(occupancy=1)
+@ct.kernel(occupancy=2)
 def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq_idx, a, dl, ddt, da, dc,
                             chunk_size: ct.Constant[int], head_size: ct.Constant[int],
                             state_size: ct.Constant[int], has_seq: ct.Constant[bool],

@@ -56,6 +56,9 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, seq_idx, en
             state_t = ct.where(first_seq == 0, state_t, 0.0)
     else:
         state_t = ct.zeros((state_tile, head_tile), dtype=ct.float32)
+    # With packed sequences, the id of the token through which the state left the previous chunk
+    # of the walk: the token the state arrives from in this one (experiment 68).
+    carried_seq = ct.zeros((1,), dtype=ct.int32)
     # The loop's loads with a latency hint: nothing in them waits for the state, and at 6 the walks
     # are 4-17% faster with the same bits (run60, experiment 58; prefetching the next chunk's tiles
     # by hand was 1.4-2.4x slower, experiment 60).
@@ -88,16 +91,28 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, seq_idx, en
             # backwards the state leaves through the chunk's first token and arrives from the
             # next chunk's first token (the row's last token after the last chunk), the masks
             # the token-flipped scan applies (backward._flipped_scan).
+            # Both edge ids come from the chunk's own tile and the previous step's (experiment 68:
+            # two single-id loads per step, each waited for, made packed walks 1.5-1.8x slower):
+            # the chunk's first token's id, and its last valid token's, the largest id among its
+            # tokens (sorted) where the padding, whose id is 0, is left out.
             seq = ct.load(seq_idx, (batch, chunk), (1, chunk_size), padding_mode=ct.PaddingMode.ZERO,
                           latency=6).reshape((chunk_size,))
+            first_id = ct.extract(seq, (0,), (1,))
+            in_row = chunk * chunk_size + ct.arange(chunk_size, dtype=ct.int32) < tokens
+            last_id = ct.max(ct.where(in_row, seq, -2147483648), axis=0, keepdims=True)
             if reverse:
-                leaving = ct.extract(seq, (0,), (1,))
-                arriving = ct.load(seq_idx, (batch, min((chunk + 1) * chunk_size, tokens - 1)), (1, 1))
+                # Leaving through the chunk's first token, arriving from the next chunk's first
+                # (the row's last token at the walk's first step).
+                leaving = first_id
+                arriving = ct.where(step == 0, last_id, carried_seq)
             else:
-                leaving = ct.load(seq_idx, (batch, min((chunk + 1) * chunk_size, tokens) - 1), (1, 1)).reshape((1,))
-                arriving = ct.load(seq_idx, (batch, max(chunk * chunk_size - 1, 0)), (1, 1))
+                # Leaving through the chunk's last token, arriving from the previous chunk's last
+                # (the row's first token at the first step).
+                leaving = last_id
+                arriving = ct.where(step == 0, first_id, carried_seq)
+            carried_seq = leaving
             weight = ct.where(seq == leaving, weight, 0.0)
-            keep = ct.where(arriving == leaving.reshape((1, 1)), keep, 0.0)
+            keep = ct.where(arriving.reshape((1, 1)) == leaving.reshape((1, 1)), keep, 0.0)
         # The same bf16 operand as segment_states_kernel's at one chunk per segment.
         weighted_b = (b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype)
         state_t = state_t * keep + ct.mma(weighted_b, x_tile, ct.zeros((state_tile, head_tile), dtype=ct.float32))
