@@ -99,6 +99,34 @@ def test_chunk_backward_matches_float64(batch, tokens, groups, heads, state, hea
         assert torch.equal(grads[6], torch.zeros_like(grads[6]))
 
 
+def test_fp32_backward_follows_torch_matmul_precision():
+    """fp32 inputs: at PyTorch's default float32 matmul precision ("highest") the backward's mma
+    keep fp32 operands, at "high" they take tf32 ones (tensor cores), as torch's own matmuls do:
+    the gradients' errors at fp32's level and at tf32's (2^-11) respectively."""
+    batch, tokens, heads, state, head = 2, 1000, 4, 128, 64
+    seed = fresh_seed()
+    x, a, b, c, dt_raw, g = inputs(batch, tokens, heads, heads, state, head, torch.float32, seed)
+    dt = torch.nn.functional.softplus(dt_raw)
+    d = torch.randn(heads, device="cuda", generator=g)
+    init = 0.1 * torch.randn(batch, heads, head, state, device="cuda", generator=g)
+    dout = torch.randn(x.shape, device="cuda", generator=g)
+    dfinal = torch.randn(init.shape, device="cuda", generator=g)
+    leaves = [t.double().requires_grad_() for t in (x, a, b, c, d, dt, init)]  # one head per group
+    out, final = chunked_forward_reference(*leaves, 64)
+    refs = torch.autograd.grad((out * dout.double()).sum() + (final * dfinal.double()).sum(), leaves)
+    worst, before = {}, torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            with poisoned_outputs():
+                grads = tilegym_mamba2.mamba2_chunk_backward(x, a, b, c, d, dt, init, dout, dfinal, 128)
+            worst[precision] = max(rel_err(got, ref) for got, ref in zip(grads, refs))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert worst["highest"] < 1e-4, f"seed={seed} {worst}"
+    assert 1e-5 < worst["high"] < TOLERANCE[torch.float32], f"seed={seed} {worst}"
+
+
 LAYER_OPTIONS = {
     "plain": {},
     "mixer": dict(D="head", z=True, dt_bias=True, dt_softplus=True),

@@ -25,7 +25,7 @@ import cuda.tile as ct
 import torch
 
 from .compute_out import NO_SKIP, SKIP_PER_CHANNEL, SKIP_PER_HEAD
-from .launch import launch, new_output
+from .launch import launch, new_output, tf32_mma
 
 # Heads whose db or dc one block sums: fewer, fp32 partial sums, and c . b once for them all,
 # against fewer blocks in flight. Experiment 41 (run33): 2.7B layer backward 4.97 / 4.62 / 4.50 /
@@ -75,7 +75,8 @@ def _head_tiles(x, dy, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, hea
 def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq_idx,
                                d, dx, ddt_input, dl, db, dd, chunk_size: ct.Constant[int], head_size: ct.Constant[int],
                                state_size: ct.Constant[int], has_seq: ct.Constant[bool],
-                               has_dy_low: ct.Constant[bool], skip_mode: ct.Constant[int], block_heads: int):
+                               has_dy_low: ct.Constant[bool], skip_mode: ct.Constant[int], block_heads: int,
+                               tf32: ct.Constant[bool]):
     """Each token s as a sender: dx, ddt_input, db (summed over the block's heads) and dl's terms
     from s < u (written to dl; the rows kernel adds the receivers' terms); with a skip, dd's sum
     of dy * x over the chunk's tokens (dy and x are in registers here: a separate reduction that
@@ -93,11 +94,12 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
     group = block * block_heads // (heads // b.shape[2])
     num_chunks = dt_bht.shape[2] // chunk_size
     reversed_chunk = num_chunks - 1 - chunk
-    mma_dtype = x.dtype
+    mma_dtype = ct.tfloat32 if tf32 else x.dtype  # the mma operands' (launch.tf32_mma)
     b_tile, c_tile, same, carried, going_on = _shared_by_heads(
         b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
+    b_op, c_op = b_tile.astype(mma_dtype), c_tile.astype(mma_dtype)
     same = ct.transpose(same)                                                              # [s, t]
-    scores = ct.mma(b_tile, ct.transpose(c_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+    scores = ct.mma(b_op, ct.transpose(c_op), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
     token = ct.arange(chunk_size, dtype=ct.int32)
     # db summed over the block's heads in fp32: one store per block, not a rounded one per head
@@ -108,6 +110,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         head = block * block_heads + i
         x_tile, dy_tile, dt_tile, g = _head_tiles(x, dy, dt_bht, decay_cumsum, batch, chunk, head, chunk_size,
                                                   head_size)
+        x_op, dy_op = x_tile.astype(mma_dtype), dy_tile.astype(mma_dtype)
         g_end = ct.extract(g, (chunk_size - 1,), (1,))
         # The decay into the next chunk's first token (none after the last chunk). Where a sequence
         # ends with the chunk, from_end and going_on drop every term it scales.
@@ -116,11 +119,12 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         into_next = ct.exp2(ct.where(chunk + 1 < num_chunks, next_first, 0.0))
 
         decay = ct.exp2(ct.where(same, g[None, :] - g[:, None], never))                  # D_ts at [s, t]
-        products = ct.mma(x_tile, ct.transpose(dy_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        products = ct.mma(x_op, ct.transpose(dy_op), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         if has_dy_low:
             dy_low_tile = ct.load(dy_low, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
                                   padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
-            products = ct.mma(x_tile, ct.transpose(dy_low_tile), products)
+            dy_low_op = dy_low_tile.astype(mma_dtype)
+            products = ct.mma(x_op, ct.transpose(dy_low_op), products)
         if skip_mode == SKIP_PER_HEAD:
             # dd of a head: the trace of x_s . dy_t, row sums in the warps (a sum over the chunk's
             # tokens of x * dy runs across them: experiment 56).
@@ -142,11 +146,11 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         # products, not the stored state, so that the mma operand is rounded once.
         grad_t = ct.load(rev_entry_states, (batch, head, reversed_chunk, 0), (1, 1, state_size, head_size)).reshape(
             (state_size, head_size))
-        to_grad = ct.mma(b_tile, grad_t.astype(mma_dtype),
+        to_grad = ct.mma(b_op, grad_t.astype(mma_dtype),
                          ct.zeros((chunk_size, head_size), dtype=ct.float32)) * into_next
         x_f32 = x_tile.astype(ct.float32)
         sent = dt_tile * from_end * ct.sum(x_f32 * to_grad, axis=1)
-        dxs_tile = ct.mma((decay * scores).astype(mma_dtype), dy_tile, to_grad * from_end[:, None])
+        dxs_tile = ct.mma((decay * scores).astype(mma_dtype), dy_op, to_grad * from_end[:, None])
         ct.store(ddt_input, (batch, head, chunk), ct.sum(x_f32 * dxs_tile, axis=1).reshape((1, 1, chunk_size)))
         dx_tile = dxs_tile * dt_tile[:, None]
         if skip_mode != NO_SKIP:
@@ -159,9 +163,9 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                 dx_tile = dx_tile + ct.load(d, (head, 0), (1, head_size)) * dy_f32
                 ct.store(dd, (batch, chunk, head, 0), ct.sum(x_f32 * dy_f32, axis=0).reshape((1, 1, 1, head_size)))
         ct.store(dx, (batch, chunk, head, 0), dx_tile.astype(dx.dtype).reshape((1, chunk_size, 1, head_size)))
-        db_head = ct.mma(x_tile, ct.transpose(grad_t.astype(mma_dtype)),
+        db_head = ct.mma(x_op, ct.transpose(grad_t.astype(mma_dtype)),
                          ct.zeros((chunk_size, state_size), dtype=ct.float32)) * (from_end * into_next)[:, None]
-        db_head = ct.mma(decayed_products.astype(mma_dtype), c_tile, db_head) * dt_tile[:, None]
+        db_head = ct.mma(decayed_products.astype(mma_dtype), c_op, db_head) * dt_tile[:, None]
         db_sum = db_sum + db_head
 
         state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
@@ -180,7 +184,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
 def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq_idx, a, dl, ddt, da, dc,
                             chunk_size: ct.Constant[int], head_size: ct.Constant[int],
                             state_size: ct.Constant[int], has_seq: ct.Constant[bool],
-                            has_dy_low: ct.Constant[bool], block_heads: int):
+                            has_dy_low: ct.Constant[bool], block_heads: int, tf32: ct.Constant[bool]):
     """Each token t as a receiver: dc (summed over the block's heads) and dl's terms from t >= u,
     added to what the columns kernel left in dl; then, dl complete, ddt = ddt_input + a dl (in
     place of the columns kernel's ddt_input) and da's sum of dt dl over the chunk (as torch ops
@@ -190,10 +194,11 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
     blocks = heads // block_heads
     batch, block = batch_block // blocks, batch_block % blocks
     group = block * block_heads // (heads // b.shape[2])
-    mma_dtype = x.dtype
+    mma_dtype = ct.tfloat32 if tf32 else x.dtype  # the mma operands' (launch.tf32_mma)
     b_tile, c_tile, same, carried, going_on = _shared_by_heads(
         b, c, seq_idx, batch, chunk, group, x.shape[1], chunk_size, state_size, has_seq)
-    scores = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))  # [t, s]
+    b_op, c_op = b_tile.astype(mma_dtype), c_tile.astype(mma_dtype)
+    scores = ct.mma(c_op, ct.transpose(b_op), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))  # [t, s]
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
     dc_sum = ct.zeros((chunk_size, state_size), dtype=ct.float32)
 
@@ -201,14 +206,16 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
         head = block * block_heads + i
         x_tile, dy_tile, dt_tile, g = _head_tiles(x, dy, dt_bht, decay_cumsum, batch, chunk, head, chunk_size,
                                                   head_size)
+        x_op, dy_op = x_tile.astype(mma_dtype), dy_tile.astype(mma_dtype)
 
         decay = ct.exp2(ct.where(same, g[:, None] - g[None, :], never))                  # D_ts
-        products = ct.mma(dy_tile, ct.transpose(x_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+        products = ct.mma(dy_op, ct.transpose(x_op), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         dy_f32 = dy_tile.astype(ct.float32)
         if has_dy_low:
             dy_low_tile = ct.load(dy_low, (batch, chunk, head, 0), (1, chunk_size, 1, head_size),
                                   padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_size))
-            products = ct.mma(dy_low_tile, ct.transpose(x_tile), products)
+            dy_low_op = dy_low_tile.astype(mma_dtype)
+            products = ct.mma(dy_low_op, ct.transpose(x_op), products)
             dy_f32 = dy_f32 + dy_low_tile.astype(ct.float32)
         decayed_products = decay * products                                               # D_ts (dy_t . x_s)
         into = ct.where(carried, ct.exp2(g), 0.0)
@@ -219,7 +226,7 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
         # The entry state: received by t >= u (dl), and dc's first term.
         state_t = ct.load(entry_states, (batch, head, chunk, 0), (1, 1, state_size, head_size)).reshape(
             (state_size, head_size))
-        from_state = ct.mma(c_tile, state_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
+        from_state = ct.mma(c_op, state_t.astype(mma_dtype), ct.zeros((chunk_size, head_size), dtype=ct.float32))
         received = into * ct.sum(dy_f32 * from_state, axis=1) + ct.sum(pairs, axis=1)
         dl_tile = (ct.load(dl, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,))
                    + ct.sum(received, axis=0, keepdims=True) - ct.cumsum(received, axis=0) + received)
@@ -227,9 +234,9 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
                     + ct.load(a, (head,), (1,)) * dl_tile)
         ct.store(ddt, (batch, head, chunk), ddt_tile.reshape((1, 1, chunk_size)))
         ct.store(da, (batch, head, chunk), ct.sum(dt_tile * dl_tile, axis=0, keepdims=True).reshape((1, 1, 1)))
-        dc_head = ct.mma(dy_tile, ct.transpose(state_t.astype(mma_dtype)),
+        dc_head = ct.mma(dy_op, ct.transpose(state_t.astype(mma_dtype)),
                          ct.zeros((chunk_size, state_size), dtype=ct.float32)) * into[:, None]
-        dc_sum = ct.mma((decayed_products * dt_tile[None, :]).astype(mma_dtype), b_tile, dc_sum + dc_head)
+        dc_sum = ct.mma((decayed_products * dt_tile[None, :]).astype(mma_dtype), b_op, dc_sum + dc_head)
 
     ct.store(dc, (batch, chunk, block, 0), dc_sum.reshape((1, chunk_size, 1, state_size)))
 
@@ -271,14 +278,15 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     chunks = padded // chunk_size
     dd = None if d is None else new_output(batch, chunks, heads, *d.shape[1:], dtype=torch.float32, device=x.device)
     grid = (batch * blocks, chunks)
+    tf32 = tf32_mma(x.dtype)
     dy_low = dy if dy_low is None else dy_low
     seq = dl if seq_idx is None else seq_idx
     launch(grid, chunk_grads_columns_kernel,
            (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq,
             dl if d is None else d, dx, ddt_input, dl, db, dl if dd is None else dd, chunk_size, head_size,
-            state_size, seq_idx is not None, dy_low is not dy, skip_mode, block_heads))
+            state_size, seq_idx is not None, dy_low is not dy, skip_mode, block_heads, tf32))
     da = new_output(batch, heads, chunks, dtype=torch.float32, device=x.device)
     launch(grid, chunk_grads_rows_kernel,
            (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq, a, dl, ddt_input, da, dc, chunk_size,
-            head_size, state_size, seq_idx is not None, dy_low is not dy, block_heads))
+            head_size, state_size, seq_idx is not None, dy_low is not dy, block_heads, tf32))
     return dx, ddt_input, da, db, dc, dd

@@ -24,7 +24,7 @@ operands are used in the layout they are loaded in.
 import cuda.tile as ct
 import torch
 
-from .launch import launch, new_output
+from .launch import launch, new_output, tf32_mma
 
 # Below this many blocks, half-width head tiles: the walk is serial in the chunks, so more blocks
 # is the only parallelism (run39: source config, 64 blocks at 64 x 64, 0.231 ms; 128 at 64 x 32,
@@ -36,7 +36,7 @@ FEW_BLOCKS = 264  # two per SM of an H200
 def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, seq_idx, entry_states, final_state,
                              chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                              state_tile: ct.Constant[int], has_init: ct.Constant[bool],
-                             reverse: ct.Constant[bool], has_seq: ct.Constant[bool]):
+                             reverse: ct.Constant[bool], has_seq: ct.Constant[bool], tf32: ct.Constant[bool]):
     batch_head, tile = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
@@ -45,6 +45,7 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, seq_idx, en
     p_tile, n_tile = tile // state_tiles, tile % state_tiles
     num_chunks = decay_cumsum.shape[2] // chunk_size
     tokens = x.shape[1]
+    mma_dtype = ct.tfloat32 if tf32 else x.dtype
 
     if has_init:
         state_t = ct.load(init_state, (batch, head, n_tile, p_tile), (1, 1, state_tile, head_tile),
@@ -113,9 +114,11 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, seq_idx, en
             carried_seq = leaving
             weight = ct.where(seq == leaving, weight, 0.0)
             keep = ct.where(arriving.reshape((1, 1)) == leaving.reshape((1, 1)), keep, 0.0)
-        # The same bf16 operand as segment_states_kernel's at one chunk per segment.
-        weighted_b = (b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype)
-        state_t = state_t * keep + ct.mma(weighted_b, x_tile, ct.zeros((state_tile, head_tile), dtype=ct.float32))
+        # The same bf16 operand as segment_states_kernel's at one chunk per segment (tf32 operands
+        # for fp32 inputs where PyTorch's matmul precision allows them: launch.tf32_mma).
+        weighted_b = (b_t.astype(ct.float32) * weight[None, :]).astype(mma_dtype)
+        state_t = state_t * keep + ct.mma(weighted_b, x_tile.astype(mma_dtype),
+                                          ct.zeros((state_tile, head_tile), dtype=ct.float32))
     ct.store(final_state, (batch, head, n_tile, p_tile), state_t.reshape((1, 1, state_tile, head_tile)),
              order=(0, 1, 3, 2))
 
@@ -144,7 +147,7 @@ def chunk_states_walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, *, rev
     launch((batch * heads, tiles), kernel,
            (x, b, dt_bht, decay_cumsum, init_state if has_init else final_state,
             seq_idx if has_seq else decay_cumsum, entry_states, final_state,  # unread without has_seq
-            chunk_size, head_tile, state_tile, has_init, reverse, has_seq))
+            chunk_size, head_tile, state_tile, has_init, reverse, has_seq, tf32_mma(x.dtype)))
     return entry_states, final_state
 
 

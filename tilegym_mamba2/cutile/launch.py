@@ -32,6 +32,14 @@ def current_stream(device_index: int):
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def tf32_mma(dtype) -> bool:
+    """Whether the backward's mma take fp32 operands as tf32: for fp32 inputs when PyTorch's float32
+    matmul precision allows it (torch.set_float32_matmul_precision("high" or "medium"), the switch
+    its own matmuls follow). At "highest", the default, fp32 operands stay fp32 (FMA, no tensor
+    cores: benchmarks/NOTES.md, experiment 65)."""
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+
+
 def new_output(*shape, dtype, device):
     if _poison:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
