@@ -30,16 +30,14 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh forward70 1 GPU, ~6 minutes: experiment 70 (the forward on tf32 under "high") timed, its tests and the fp32 forward tests
 #   bash benchmarks/device_check.sh eighteenth 1 GPU, ~9 minutes: experiment 66 in the package: backward GPU tests, GPU bad-input sweep, bench --backward
 #   bash benchmarks/device_check.sh fp32_66 1 GPU, ~5 minutes: experiment 66 with fp32 inputs, each kernel at occupancy 1 and 2
 #   bash benchmarks/device_check.sh split69 1 GPU, ~1 minute: experiment 69 (per-head gradients with and without the dy split)
-#   bash benchmarks/device_check.sh packed68 1 GPU, ~7 minutes: experiment 68 (packed walks without per-step id loads) timed, walk and packed tests
 #   bash benchmarks/device_check.sh state67 1 GPU, ~2 minutes: experiment 67 (the decode step on a persistent grid) timed, bits checked
 #   bash benchmarks/device_check.sh occupancy66 1 GPU, ~3 minutes: experiment 66 (chunk_grads at occupancy 2) timed, bits compared
 #   bash benchmarks/device_check.sh seventeenth 1 GPU, ~9 minutes: experiments 62-64 in the package: per-head gradient
 #                                           errors over 32 seeds before/after, backward GPU tests, bench --backward
-#   bash benchmarks/device_check.sh tf32_65 1 GPU, ~9 minutes: experiment 65 (fp32 inputs' backward mma in tf32 under
-#                                           PyTorch's "high" matmul precision) timed, its test and the fp32 layer tests
 #   bash benchmarks/device_check.sh bench_backward 1 GPU, ~4 minutes: bench --backward next to mamba_ssm, nothing else
 #   bash benchmarks/device_check.sh last16  1 GPU, ~7 minutes: experiment 61 (the walk now), the test next to mamba_ssm
 #   bash benchmarks/device_check.sh final16 1 GPU, ~8 minutes: the walk's tests, the tests next to mamba_ssm, bench --backward
@@ -104,6 +102,23 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+forward70)
+  # Experiment 70 (a patch on the eighteenth session's package): the forward's mma on tf32
+  # operands for fp32 inputs under PyTorch's "high" matmul precision, as the backward's since
+  # experiment 65. fp32 at "high" timed next to bf16 (fp32 at "highest" is run75's: the same
+  # machine code, cpu_sm90/machine_code_forward70_*.txt), then the new tests and the fp32
+  # forward (CASES dtype11, dtype12, dtype18) and layer tests at the default precision (~6 minutes).
+  limit=${LIMIT_S:-240}
+  apply_once benchmarks/variants/experiment70_forward_tf32.patch || exit 1
+  timeout 200 python3 benchmarks/variants/fp32_backward.py --high-only > "$out/fp32_forward70.log" 2>&1
+  grep -E "fwd\+bwd|Error" "$out/fp32_forward70.log" | cut -c1-200
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py -p no:cacheprovider \
+    -k "dtype11 or dtype12 or dtype18 or matmul_precision" --tb=short -rfE > "$out/gpu_forward70.log" 2>&1 &
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/test_layer_cutile_gpu.py -p no:cacheprovider \
+    -k "fp32 or matmul_precision" --tb=short -rfE > "$out/gpu_layer70.log" 2>&1
+  wait
+  test_summaries "$out"/gpu_forward70.log "$out"/gpu_layer70.log
+  ;;
 eighteenth)
   # The eighteenth session's check of experiment 66 in the package (chunk_grads at occupancy 2):
   # the backward's GPU tests in five processes (plain op + state 512, next to mamba_ssm over 4
@@ -136,26 +151,6 @@ split69)
   (cd benchmarks/variants && timeout 100 python3 per_head_grad_seeds.py --seeds 16 > "$out/with_split.log" 2>&1
    timeout 100 python3 per_head_grad_seeds.py --seeds 16 --without-dy-low > "$out/without_split.log" 2>&1)
   grep -H summary "$out"/with_split.log "$out"/without_split.log | cut -c1-200
-  ;;
-packed68)
-  # Experiment 68 (a patch on the seventeenth session's package): the packed walks take the
-  # sequence ids at the chunks' edges from the chunk's own tile and the previous step. The layer
-  # op's forward + backward with and without seq_idx timed before and after, then the walk's GPU
-  # tests (packed cases: the state pass's bits) and the packed layer cases in three dtypes (~7 minutes).
-  limit=${LIMIT_S:-250}
-  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_before.log" 2>&1
-  apply_once benchmarks/variants/experiment68_walk_edge_ids.patch || exit 1
-  timeout 120 python3 benchmarks/variants/packed_backward.py > "$out/packed_after.log" 2>&1
-  grep -E " bench |Error" "$out"/packed_before.log "$out"/packed_after.log | cut -c1-220
-  packed="(seq_idx or cu_seqlens or per_sequence)"
-  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
-    --tb=short -rfE > "$out/gpu_walk.log" 2>&1 &
-  backward_tests a "layer_autograd and dtype0 and $packed" &
-  backward_tests b "layer_autograd and dtype1 and $packed" &
-  backward_tests c "layer_autograd and dtype2 and $packed"
-  wait
-  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_[abc].log
-  archive_logs
   ;;
 state67)
   # Experiment 67: selective_state_update on a persistent grid (SMs x 8 or 16 blocks walking
@@ -192,18 +187,6 @@ seventeenth)
     --json "$out/backward.json" > "$out/backward.log" 2>&1
   tail -14 "$out/backward.log"
   archive_logs
-  ;;
-tf32_65)
-  # Experiment 65 (a patch on the seventeenth session's package): the backward's mma on tf32 operands for fp32 inputs
-  # under PyTorch's "high" float32 matmul precision. fp32 at "highest" and "high" timed next to
-  # bf16 (compiles first: fp32 FMA kernels take long), then the new test and the layer op's fp32
-  # backward tests at the default precision.
-  limit=${LIMIT_S:-300}
-  apply_once benchmarks/variants/experiment65_tf32_under_matmul_precision.patch || exit 1
-  timeout 280 python3 benchmarks/variants/fp32_backward.py > "$out/fp32_backward.log" 2>&1
-  grep -E "fwd\+bwd|Error" "$out/fp32_backward.log" | cut -c1-200
-  backward_tests tf32 "matmul_precision or (layer_autograd and dtype1)"
-  test_summaries "$out"/gpu_backward_tf32.log
   ;;
 bench_backward)
   # bench --backward next to mamba_ssm alone (its first call autotunes for a minute), ~4 minutes.

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sqlite3
 import struct
 import tempfile
@@ -25,6 +26,7 @@ from tilegym_mamba2.cutile.chunk_grads import chunk_grads
 from tilegym_mamba2.cutile.launch import recording_launches
 
 CODE_SECTIONS = (".text", ".nv.constant", ".nv.shared", ".nv.info")
+SECTION_KIND = re.compile(r"\.text|\.nv\.constant\d*|\.nv\.shared|\.nv\.info")
 
 
 def code_hash(cubin: bytes) -> str:
@@ -39,7 +41,7 @@ def code_hash(cubin: bytes) -> str:
         if name.startswith(CODE_SECTIONS) and kind != 8:  # 8: SHT_NOBITS, no bytes in the file
             # The section's kind, not the kernel's mangled name in it: a new constant argument
             # renames the kernel without changing its code.
-            digest.update(name.split(".chunk_")[0].encode() + cubin[offset:offset + size])
+            digest.update(SECTION_KIND.match(name).group(0).encode() + cubin[offset:offset + size])
     return digest.hexdigest()[:16]
 
 
