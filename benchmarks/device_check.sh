@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh state71 1 GPU, ~2 minutes: experiment 71 (the decode step without TMA) timed, bits checked
 #   bash benchmarks/device_check.sh forward70 1 GPU, ~6 minutes: experiment 70 (the forward on tf32 under "high") timed, its tests and the fp32 forward tests
 #   bash benchmarks/device_check.sh eighteenth 1 GPU, ~9 minutes: experiment 66 in the package: backward GPU tests, GPU bad-input sweep, bench --backward
 #   bash benchmarks/device_check.sh fp32_66 1 GPU, ~5 minutes: experiment 66 with fp32 inputs, each kernel at occupancy 1 and 2
@@ -102,6 +103,13 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+state71)
+  # Experiment 71: selective_state_update with its loads / stores kept off TMA (the small vectors,
+  # the state, the stores, all) at 16-, 8- and 4-row tiles, against the package and mamba_ssm,
+  # CUDA-graph replay, bits checked (~2 minutes).
+  (cd benchmarks/variants && timeout 240 python3 state_update_loads.py 1 8 64 256) > "$out/state71.log" 2>&1
+  grep -vE "Warn|warn|^ +" "$out/state71.log" | cut -c1-200
+  ;;
 forward70)
   # Experiment 70 (a patch on the eighteenth session's package): the forward's mma on tf32
   # operands for fp32 inputs under PyTorch's "high" matmul precision, as the backward's since
