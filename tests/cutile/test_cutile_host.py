@@ -82,3 +82,38 @@ def test_one_segment_per_row_skips_the_state_pass():
     with recording_launches() as launches:
         run_stages(x, a, b, b, d, dt, init, 64, replace(config, chunks_per_segment=4))  # 5 chunks: 2 segments
     assert "segment_states_kernel" in [k._pyfunc.__name__ for k, _ in launches]
+
+
+@pytest.mark.parametrize("dtype,precision,want", [("float32", "highest", False), ("float32", "high", True),
+                                                  ("float32", "medium", True), ("bfloat16", "high", False)])
+def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
+    """Every backward kernel with an mma is told to take tf32 operands exactly for fp32 inputs
+    under a float32 matmul precision other than "highest" (experiment 65), and the caller's
+    precision is left as it was."""
+    pytest.importorskip("cuda.tile")
+    import inspect
+
+    import torch
+    from tilegym_mamba2.backward import chunk_backward
+    from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.cutile.scan import KERNELS
+    batch, tokens, heads, head_size, state_size = 2, 300, 4, 64, 128
+    dtype = getattr(torch, dtype)
+    x, dout = (torch.zeros(batch, tokens, heads, head_size, dtype=dtype) for _ in range(2))
+    b, c = (torch.zeros(batch, tokens, 1, state_size, dtype=dtype) for _ in range(2))
+    dt, a, d = torch.zeros(batch, tokens, heads), torch.zeros(heads), torch.zeros(heads)
+    init, dfinal = (torch.zeros(batch, heads, head_size, state_size) for _ in range(2))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(precision)
+        with recording_launches() as launches:
+            chunk_backward(KERNELS, x, a, b, c, d, dt, init, dout, dfinal)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    told = {}
+    for kernel, args in launches:
+        names = list(inspect.signature(kernel._pyfunc).parameters)
+        if "tf32" in names:
+            told.setdefault(kernel._pyfunc.__name__, set()).add(args[names.index("tf32")])
+    assert set(told) == {"chunk_states_walk_kernel", "chunk_grads_columns_kernel", "chunk_grads_rows_kernel"}, told
+    assert all(flags == {want} for flags in told.values()), told
