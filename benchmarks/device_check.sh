@@ -30,6 +30,7 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh consistent72 1 GPU, ~8 minutes: experiment 72 (the gated dy's low half in the reverse walk) timed, per-head errors, tests
 #   bash benchmarks/device_check.sh state71 1 GPU, ~2 minutes: experiment 71 (the decode step without TMA) timed, bits checked
 #   bash benchmarks/device_check.sh forward70 1 GPU, ~6 minutes: experiment 70 (the forward on tf32 under "high") timed, its tests and the fp32 forward tests
 #   bash benchmarks/device_check.sh eighteenth 1 GPU, ~9 minutes: experiment 66 in the package: backward GPU tests, GPU bad-input sweep, bench --backward
@@ -103,6 +104,29 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+consistent72)
+  # Experiment 72 (a patch on the eighteenth session's package): the reverse walk takes the gated
+  # dy's low half as chunk_grads does. The layer op with z timed before and after, the mixer's
+  # per-head gradients over seeds 1-16 after (run71 has them with and without the split, on the
+  # same inputs as run67's mamba_ssm), the walk's GPU tests (a new one for the low half), the
+  # layer op's bf16 backward tests and the comparison with mamba_ssm (~8 minutes).
+  limit=${LIMIT_S:-240}
+  timeout 150 python3 benchmarks/variants/packed_backward.py --with-z > "$out/mixer_before.log" 2>&1
+  host_vs_gpu before72
+  apply_once benchmarks/variants/experiment72_walk_dy_low.patch || exit 1
+  timeout 150 python3 benchmarks/variants/packed_backward.py --with-z > "$out/mixer_after.log" 2>&1
+  host_vs_gpu after72  # the plain op's walks: their instructions but for parameter addresses
+  grep -E " bench |Error" "$out"/mixer_before.log "$out"/mixer_after.log | cut -c1-220
+  (cd benchmarks/variants && timeout 100 python3 per_head_grad_seeds.py --seeds 16 > "$out/seeds72.log" 2>&1)
+  grep -h summary "$out/seeds72.log" | cut -c1-200
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chunk_states_walk_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_walk.log" 2>&1 &
+  backward_tests a "mamba_ssm" &
+  backward_tests c "(layer_autograd and dtype0) or compile"
+  wait
+  test_summaries "$out"/gpu_walk.log "$out"/gpu_backward_[ac].log
+  archive_logs
+  ;;
 state71)
   # Experiment 71: selective_state_update with its loads / stores kept off TMA (the small vectors,
   # the state, the stores, all) at 16-, 8- and 4-row tiles, against the package and mamba_ssm,

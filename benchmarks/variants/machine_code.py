@@ -29,16 +29,18 @@ CODE_SECTIONS = (".text", ".nv.constant", ".nv.shared", ".nv.info")
 SECTION_KIND = re.compile(r"\.text|\.nv\.constant\d*|\.nv\.shared|\.nv\.info")
 
 
-def code_hash(cubin: bytes) -> str:
-    """sha256 of the ELF64 sections that make up the kernel's code (not its line tables)."""
+def code_hash(cubin: bytes, sections=CODE_SECTIONS) -> str:
+    """sha256 of the ELF64 sections that make up the kernel's code (not its line tables); with
+    sections=(".text",) the instructions alone (a new runtime argument after the others grows the
+    parameter bank, .nv.constant0 and .nv.info, and leaves them as they were)."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entry_size) for i in range(count)]
-    names_at = sections[names_index][4]
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entry_size) for i in range(count)]
+    names_at = headers[names_index][4]
     digest = hashlib.sha256()
-    for name_at, kind, _, _, offset, size in sections:
+    for name_at, kind, _, _, offset, size in headers:
         name = cubin[names_at + name_at:cubin.index(b"\0", names_at + name_at)].decode()
-        if name.startswith(CODE_SECTIONS) and kind != 8:  # 8: SHT_NOBITS, no bytes in the file
+        if name.startswith(sections) and kind != 8:  # 8: SHT_NOBITS, no bytes in the file
             # The section's kind, not the kernel's mangled name in it: a new constant argument
             # renames the kernel without changing its code.
             digest.update(SECTION_KIND.match(name).group(0).encode() + cubin[offset:offset + size])

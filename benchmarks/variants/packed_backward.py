@@ -4,8 +4,12 @@ one sequence per row, through autograd, on the source config and the 2.7B layer:
 backward runs its chunk states on the state pass and its scan of dh on token-flipped copies of
 dy, C and B; after it, on the two walks, as one sequence per row does.
 
-    python3 benchmarks/variants/packed_backward.py
+    python3 benchmarks/variants/packed_backward.py [--with-z]
+
+--with-z: the mixer's z gate as well (experiment 72: the gated dy's low half in the reverse walk).
 """
+import sys
+
 import torch
 
 import tilegym_mamba2
@@ -13,7 +17,7 @@ from tilegym_mamba2.bench import measure
 from timing import gpu_busy  # this folder's
 
 
-def layer_inputs(batch, tokens, groups, heads, state, head, packed):
+def layer_inputs(batch, tokens, groups, heads, state, head, packed, with_z=False):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
@@ -24,7 +28,8 @@ def layer_inputs(batch, tokens, groups, heads, state, head, packed):
     a = -torch.rand(heads, device="cuda", generator=g) * 8 - 1
     b, c = (randn(batch, tokens, groups, state).bfloat16() for _ in range(2))
     d, dt_bias = randn(heads), randn(heads) - 1
-    leaves = [t.requires_grad_() for t in (x, dt, a, b, c, d, dt_bias)]
+    z = (randn(batch, tokens, heads, head).bfloat16(),) if with_z else ()
+    leaves = [t.requires_grad_() for t in (x, dt, a, b, c, d, dt_bias, *z)]
     seq_idx = None
     if packed:  # four sequences per row, their edges inside chunks
         cuts = torch.tensor([tokens // 7, tokens // 3 + 5, (3 * tokens) // 4 - 9], device="cuda")
@@ -34,16 +39,16 @@ def layer_inputs(batch, tokens, groups, heads, state, head, packed):
 
 
 def step(leaves, seq_idx, dout):
-    x, dt, a, b, c, d, dt_bias = leaves
-    out = tilegym_mamba2.mamba_chunk_scan_combined(x, dt, a, b, c, 256, D=d, dt_bias=dt_bias, dt_softplus=True,
-                                                   seq_idx=seq_idx)
+    x, dt, a, b, c, d, dt_bias, *z = leaves
+    out = tilegym_mamba2.mamba_chunk_scan_combined(x, dt, a, b, c, 256, D=d, z=z[0] if z else None, dt_bias=dt_bias,
+                                                   dt_softplus=True, seq_idx=seq_idx)
     return torch.autograd.grad(out, leaves, dout)
 
 
 if __name__ == "__main__":
     for shape in ((4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64)):
         for packed in (False, True):
-            leaves, seq_idx, dout = layer_inputs(*shape, packed)
+            leaves, seq_idx, dout = layer_inputs(*shape, packed, with_z="--with-z" in sys.argv)
 
             def fn():
                 return step(leaves, seq_idx, dout)
