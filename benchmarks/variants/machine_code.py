@@ -29,22 +29,42 @@ CODE_SECTIONS = (".text", ".nv.constant", ".nv.shared", ".nv.info")
 SECTION_KIND = re.compile(r"\.text|\.nv\.constant\d*|\.nv\.shared|\.nv\.info")
 
 
-def code_hash(cubin: bytes, sections=CODE_SECTIONS) -> str:
-    """sha256 of the ELF64 sections that make up the kernel's code (not its line tables); with
-    sections=(".text",) the instructions alone (a new runtime argument after the others grows the
-    parameter bank, .nv.constant0 and .nv.info, and leaves them as they were)."""
+def sections(cubin: bytes):
+    """(name, kind, bytes) of each ELF64 section of a cubin."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
     headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entry_size) for i in range(count)]
     names_at = headers[names_index][4]
-    digest = hashlib.sha256()
     for name_at, kind, _, _, offset, size in headers:
-        name = cubin[names_at + name_at:cubin.index(b"\0", names_at + name_at)].decode()
-        if name.startswith(sections) and kind != 8:  # 8: SHT_NOBITS, no bytes in the file
+        yield cubin[names_at + name_at:cubin.index(b"\0", names_at + name_at)].decode(), kind, cubin[offset:offset + size]
+
+
+def code_hash(cubin: bytes) -> str:
+    """sha256 of the ELF64 sections that make up the kernel's code (not its line tables)."""
+    digest = hashlib.sha256()
+    for name, kind, data in sections(cubin):
+        if name.startswith(CODE_SECTIONS) and kind != 8:  # 8: SHT_NOBITS, no bytes in the file
             # The section's kind, not the kernel's mangled name in it: a new constant argument
             # renames the kernel without changing its code.
-            digest.update(SECTION_KIND.match(name).group(0).encode() + cubin[offset:offset + size])
+            digest.update(SECTION_KIND.match(name).group(0).encode() + data)
     return digest.hexdigest()[:16]
+
+
+def distinct_cubins(labelled_launches):
+    """(label, kernel, cubin) for each distinct (kernel, JIT signature) among (label, kernel, args),
+    in order, each compiled for sm_90 into an empty cache of its own (so the cubin is that
+    launch's)."""
+    seen = set()
+    for label, kernel, args in labelled_launches:
+        signature = jit_like_signature(kernel, args)
+        if repr(signature) in seen:
+            continue
+        seen.add(repr(signature))
+        cache = tempfile.mkdtemp()
+        default_tile_context.config.cache_dir = cache
+        kernel._compile(signature, default_tile_context, (9, 0))
+        (blob,), = sqlite3.connect(os.path.join(cache, "cache.db")).execute("select blob from cache")
+        yield label, kernel, bytes(blob)
 
 
 def launches(dtype, has_seq, has_low, skip, shape=(2, 1000, 2, 8, 64, 32)):

@@ -13,16 +13,11 @@ fp32; the layer op with every option at small tiles, initial states per row or p
 heads or 16 (C·B^T from group_scores) per group, in the three dtypes.
 """
 import itertools
-import os
-import sqlite3
 import sys
-import tempfile
 
 import torch
-from cuda.tile._cext import default_tile_context
 
-from kernel_remarks import jit_like_signature  # this folder's
-from machine_code import code_hash  # this folder's
+from machine_code import code_hash, distinct_cubins  # this folder's
 from tilegym_mamba2.cutile import choose_config, run_stages
 from tilegym_mamba2.cutile.launch import recording_launches
 from tilegym_mamba2.cutile.scan_combined import run_layer
@@ -69,21 +64,11 @@ def cases():
 
 
 def main():
-    """One line per distinct launch, in launch order: the case, the kernel, its code's hash (each
-    compiled into an empty cache of its own, so the hash is that launch's cubin)."""
+    """One line per distinct launch, in launch order: the case, the kernel, its code's hash."""
     torch.set_float32_matmul_precision(sys.argv[1] if len(sys.argv) > 1 else "highest")
-    seen = set()
-    for label, recorded in cases():
-        for kernel, args in recorded:
-            signature = jit_like_signature(kernel, args)
-            if repr(signature) in seen:
-                continue
-            seen.add(repr(signature))
-            cache = tempfile.mkdtemp()
-            default_tile_context.config.cache_dir = cache
-            kernel._compile(signature, default_tile_context, (9, 0))
-            (blob,), = sqlite3.connect(os.path.join(cache, "cache.db")).execute("select blob from cache")
-            print(f"{label:55s} {kernel._pyfunc.__name__:24s} {code_hash(bytes(blob))}", flush=True)
+    launches = ((label, kernel, args) for label, recorded in cases() for kernel, args in recorded)
+    for label, kernel, cubin in distinct_cubins(launches):
+        print(f"{label:55s} {kernel._pyfunc.__name__:24s} {code_hash(cubin)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,13 @@ instruction stream but for those parameters' addresses.
 differing bytes.
 """
 import itertools
-import os
 import pickle
-import sqlite3
-import struct
 import sys
-import tempfile
 
 import torch
-from cuda.tile._cext import default_tile_context
 
-from kernel_remarks import compile_and_report, jit_like_signature  # this folder's
+from kernel_remarks import compile_and_report  # this folder's
+from machine_code import distinct_cubins, sections  # this folder's
 from tilegym_mamba2.backward import scan_backward
 from tilegym_mamba2.cutile.chunk_states_walk import chunk_states_walk
 from tilegym_mamba2.cutile.launch import recording_launches
@@ -46,31 +42,16 @@ def walk_launches(dtype, has_seq, with_init, heads):
 
 
 def text_section(cubin: bytes) -> bytes:
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entry_size) for i in range(count)]
-    names_at = headers[names_index][4]
-    for name_at, _, _, _, offset, size in headers:
-        if cubin[names_at + name_at:cubin.index(b"\0", names_at + name_at)].startswith(b".text"):
-            return cubin[offset:offset + size]
-    raise ValueError("no .text section")
+    return next(data for name, _, data in sections(cubin) if name.startswith(".text"))
 
 
 def dump(path):
     """{label: .text bytes} of every distinct walk launch, in launch order."""
-    found, seen = {}, set()
-    for dtype, has_seq, with_init, heads in itertools.product(
-            (torch.bfloat16, torch.float16, torch.float32), (False, True), (False, True), (8, 80)):
-        for i, (kernel, args) in enumerate(walk_launches(dtype, has_seq, with_init, heads)):
-            signature = jit_like_signature(kernel, args)
-            if repr(signature) in seen:
-                continue
-            seen.add(repr(signature))
-            cache = tempfile.mkdtemp()
-            default_tile_context.config.cache_dir = cache
-            kernel._compile(signature, default_tile_context, (9, 0))
-            (blob,), = sqlite3.connect(os.path.join(cache, "cache.db")).execute("select blob from cache")
-            found[f"{str(dtype)[6:]} seq={has_seq} init={with_init} heads={heads} walk {i}"] = text_section(bytes(blob))
+    launches = ((f"{str(dtype)[6:]} seq={has_seq} init={with_init} heads={heads} walk {i}", kernel, args)
+                for dtype, has_seq, with_init, heads in itertools.product(
+                    (torch.bfloat16, torch.float16, torch.float32), (False, True), (False, True), (8, 80))
+                for i, (kernel, args) in enumerate(walk_launches(dtype, has_seq, with_init, heads)))
+    found = {label: text_section(cubin) for label, _, cubin in distinct_cubins(launches)}
     with open(path, "wb") as f:
         pickle.dump(found, f)
 
