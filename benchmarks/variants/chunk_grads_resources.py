@@ -29,13 +29,12 @@ Attribution probes (wrong results; only what a piece of the kernel costs in reso
 A variant that fits two blocks per SM (<= ~113 KB of shared memory, no spills) is one to time on
 the device with the whole backward (variants/chunk_grads_blocks.py's harness).
 """
-import importlib.util
 import pathlib
 import sys
-import tempfile
 
 import torch
 
+from edited import module_from  # this folder's
 from kernel_remarks import backward_launches, compile_and_report
 from tilegym_mamba2.cutile import scan
 
@@ -86,16 +85,7 @@ EDITS = {
 
 
 def variant_module(name):
-    text = SOURCE.read_text().replace("from .", "from tilegym_mamba2.cutile.")
-    for old, new in EDITS[name]:
-        assert text.count(old) == 1, f"{name}: {old!r} is not in {SOURCE.name} once"
-        text = text.replace(old, new)
-    path = pathlib.Path(tempfile.mkdtemp()) / f"chunk_grads_{name}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from(SOURCE, EDITS[name], stem=f"chunk_grads_{name}")
 
 
 scan.chunk_grads_kernel = variant_module("package").chunk_grads

@@ -9,14 +9,13 @@ order).
         (CPU: registers, spills and shared memory of each variant's kernels at the JIT's
         signatures, kernel_remarks.py; the 2.7B layer's unless shapes are given)
 """
-import importlib.util
 import pathlib
 import sys
-import tempfile
 
 import torch
 
 import tilegym_mamba2
+from edited import module_from  # this folder's
 from tilegym_mamba2.cutile import scan
 from timing import backward_inputs, median_ms
 
@@ -29,20 +28,6 @@ ROWS_OCC1 = ("@ct.kernel(occupancy=2)\ndef chunk_grads_rows_kernel", "@ct.kernel
 COLUMNS_OCC1 = ("@ct.kernel(occupancy=2)\ndef chunk_grads_columns_kernel",
                 "@ct.kernel(occupancy=1)\ndef chunk_grads_columns_kernel")
 NAMES = ("grad_x", "grad_a", "grad_b", "grad_c", "grad_d", "grad_dt", "grad_init")
-
-
-def module_from(path, edits=()):
-    """The module at ``path`` with textual edits (each must apply once)."""
-    text = path.read_text().replace("from .", "from tilegym_mamba2.cutile.")
-    for old, new in edits:
-        assert text.count(old) == 1, f"{old!r} is not in {path.name} once"
-        text = text.replace(old, new)
-    copy = pathlib.Path(tempfile.mkdtemp()) / path.name
-    copy.write_text(text)
-    spec = importlib.util.spec_from_file_location(copy.stem, copy)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 VARIANTS = {

@@ -14,13 +14,12 @@ the same arithmetic, so the same bits (checked per variant). Timed as state_upda
     python3 benchmarks/variants/state_update_loads.py [batch ...]
     python benchmarks/variants/state_update_loads.py --resources   (CPU: compiles for sm_90)
 """
-import importlib.util
 import pathlib
 import sys
-import tempfile
 
 import torch
 
+from edited import module_from  # this folder's
 from tilegym_mamba2 import bench_serving
 from tilegym_mamba2.cutile import plan
 from tilegym_mamba2.cutile import selective_state_update as ssu
@@ -51,17 +50,7 @@ VARIANTS = [(edits, head_tile) for edits in EDITS for head_tile in (16, 8, 4)]
 
 def kernel_with(edits):
     """The package's decode kernel with textual edits (each must apply once), from a copy of the module."""
-    text = (PACKAGE.read_text().replace("from ..", "from tilegym_mamba2.")
-            .replace("from . import", "from tilegym_mamba2.cutile import").replace("from .", "from tilegym_mamba2.cutile."))
-    for old, new in EDITS[edits]:
-        assert text.count(old) == 1, f"{old!r} is not in {PACKAGE.name} once"
-        text = text.replace(old, new)
-    copy = pathlib.Path(tempfile.mkdtemp()) / f"state_update_{edits}.py"
-    copy.write_text(text)
-    spec = importlib.util.spec_from_file_location(copy.stem, copy)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.selective_state_update_kernel
+    return module_from(PACKAGE, EDITS[edits], stem=f"state_update_{edits}").selective_state_update_kernel
 
 
 PACKAGE_KERNEL, PACKAGE_TILES = ssu.selective_state_update_kernel, ssu.tiles_for
