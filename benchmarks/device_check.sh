@@ -30,6 +30,8 @@
 #   bash benchmarks/device_check.sh walk    1 GPU, ~9 minutes: the walk's tests, every backward GPU test, bench --backward
 #   bash benchmarks/device_check.sh split   1 GPU, ~9 minutes: the layer op's backward tests and mamba_ssm's
 #                                           gradients after the dy split, then tilegym's backward next to ours
+#   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
+#   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh consistent72 1 GPU, ~8 minutes: experiment 72 (the gated dy's low half in the reverse walk) timed, per-head errors, tests
 #   bash benchmarks/device_check.sh state71 1 GPU, ~2 minutes: experiment 71 (the decode step without TMA) timed, bits checked
 #   bash benchmarks/device_check.sh forward70 1 GPU, ~6 minutes: experiment 70 (the forward on tf32 under "high") timed, its tests and the fp32 forward tests
@@ -104,6 +106,32 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+serving71)
+  # The nineteenth session's second call (~7 minutes), a fresh tuning cache: experiment 71 in the
+  # package (the decode step's stores off TMA) through the serving GPU tests, the peers' tests and
+  # the graph-capture tests, then bench --serving; experiment 73 in the package (whole rows offered
+  # to the tuner on short rows): the prefill against the launch floor again, then bench --only.
+  limit=${LIMIT_S:-200}
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_serving_gpu.py tests/test_serving_peers_gpu.py \
+    tests/cutile/test_cutile_graph_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_serving.log" 2>&1
+  test_summaries "$out/gpu_serving.log"
+  bash "$0" serving
+  timeout 100 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
+  grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
+  timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+  grep -A8 "^| B, T" "$out/bench.log"
+  archive_logs
+  ;;
+nineteenth)
+  # The nineteenth session's first call (~6 minutes): experiment 71 (the decode step without TMA),
+  # experiment 73 (the prefill's host time against fewer launches, and the launch floor), then
+  # experiment 59's split of the autograd step's host time on the current package.
+  bash "$0" state71
+  timeout 150 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
+  grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
+  bash "$0" autograd_host
+  ;;
 consistent72)
   # Experiment 72 (a patch on the eighteenth session's package): the reverse walk takes the gated
   # dy's low half as chunk_grads does. The layer op with z timed before and after, the mixer's

@@ -117,13 +117,17 @@ def test_group_scores_only_for_narrow_head_tiles_shared_by_many_blocks():
     assert choose_config(1, 2048, 2, 32, 32, 128, 128).group_scores              # 16, 32-wide tiles
 
 
-def test_whole_rows_are_a_candidate_only_where_their_blocks_fill_the_gpu():
+def test_whole_rows_are_a_candidate_where_their_blocks_fill_the_gpu_or_the_row_is_short():
     # 2 x 80 heads x 1 head tile = 160 blocks >= 132 SMs: rows up to 8192 tokens in 128 chunks
     wide = choose_config(2, 8000, 1, 80, 64, 128, 128)
     assert whole_row_chunks(2, 8000, 80, 64, wide) == 8192 // wide.chunk_size
     assert 8192 // wide.chunk_size in [c.chunks_per_segment for c in candidates(wide, 128)]
-    # the source config: 4 x 8 heads = 32 blocks, most SMs would idle
+    # the source config: 4 x 8 heads = 32 blocks, most SMs would idle on 16384-token rows
     assert whole_row_chunks(4, 16384, 8, 64, choose_config(4, 16384, 1, 8, 64, 128, 128)) is None
+    # the 2048-token prefill: 32 blocks, but a host-bound call whose timing decides
+    prefill = choose_config(1, 2048, 1, 32, 64, 128, 128)
+    assert whole_row_chunks(1, 2048, 32, 64, prefill) == 2048 // prefill.chunk_size
+    assert whole_row_chunks(1, 4097, 32, 64, prefill) is None  # bucketed to 8192 tokens
     assert candidates(BASE, None) == candidates(BASE)
 
 

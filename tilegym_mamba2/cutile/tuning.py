@@ -193,13 +193,22 @@ def candidates(base: Config, whole_row: int | None = None) -> list[Config]:
     return [replace(base, chunks_per_segment=k) for k in sorted(lengths)]
 
 
+# Rows this short are offered whole even where their blocks leave SMs idle: such a call is
+# host-bound, and two launches instead of four cost less host time than the longer walk costs the
+# GPU on some hosts and not on others, so the tuner's timing decides (NOTES.md, experiment 73:
+# the 2048-token prefill on the H200, 0.105 -> 0.077 ms in `bench`, kernels 0.035 -> 0.067 ms).
+SHORT_ROW_TOKENS = 4096
+
+
 def whole_row_chunks(batch, tokens, heads, head_size, config: Config, device=None) -> int | None:
     """A segment length that makes every row of the bucket one segment (compute_out's blocks then
     walk whole rows and the state pass is skipped), or None where those blocks would leave SMs
-    idle. Tokens are bucketed by power of two, so the length covers the bucket's longest row."""
-    if batch * heads * (head_size // config.out_head_tile) < _multiprocessor_count(device):
-        return None
+    idle on a long row. Tokens are bucketed by power of two, so the length covers the bucket's
+    longest row."""
     longest = 1 << max(0, (tokens - 1).bit_length())
+    fills_gpu = batch * heads * (head_size // config.out_head_tile) >= _multiprocessor_count(device)
+    if not fills_gpu and longest > SHORT_ROW_TOKENS:
+        return None
     return -(-longest // config.chunk_size)
 
 

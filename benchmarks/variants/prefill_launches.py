@@ -1,0 +1,121 @@
+"""Experiment 73 (GPU): how far the 2048-token prefill is from issue 14's host targets, and what a
+call with fewer launches would buy.
+
+    python3 benchmarks/variants/prefill_launches.py
+
+The prefill (1, 2048, 1, 32, 128, 64) runs four launches (chunk_cumsum, segment_states,
+state_scan, compute_out) and six allocations; `bench` sees ~0.062 ms for GPU work far shorter, so
+it times the host. Per path, in alternating rounds in one process:
+  host us     wall time to queue 200 calls (no synchronize inside), per call
+  bench ms    `bench.measure` (L2 flushed), as `bench` reports the prefill
+  gpu ms      CUDA events around 20 back-to-back calls after a synchronize, per call: the
+              larger of host and GPU time, so also the profiler's kernel sum (printed)
+Paths: the package (a planned call); the same config with one segment per row (two launches:
+chunk_cumsum, compute_out walking the whole row, four allocations; other bits: the segments'
+sums are added in another order), its output's largest difference to the package's printed.
+Then the floor: one ct.launch of a one-array kernel and of a 12-argument one (raw stream), and
+one torch.empty on the device.
+"""
+import statistics
+import time
+from dataclasses import replace
+
+import cuda.tile as ct
+import torch
+
+import tilegym_mamba2
+from tilegym_mamba2.bench import measure
+from tilegym_mamba2.cutile import config_for, launch, run_stages
+from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
+from tilegym_mamba2.validation import check_forward_args
+
+PREFILL = (1, 2048, 1, 32, 128, 64)
+ROUNDS = 5
+
+
+def host_us(fn, calls=200):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def back_to_back_ms(fn, calls=20):
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def kernel_ms(fn):
+    """Sum of the GPU kernels' own times per call (profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages())
+    return total / 20 / 1000
+
+
+@ct.kernel
+def one_array(a0):
+    ct.store(a0, (0,), ct.zeros((16,), dtype=ct.float32))
+
+
+@ct.kernel
+def twelve(a0, a1, a2, a3, a4, a5, a6, a7, n0, n1, c0: ct.Constant[int], c1: ct.Constant[bool]):
+    ct.store(a0, (0,), ct.zeros((16,), dtype=ct.float32))
+
+
+def main():
+    spec = Mamba2ProblemSpec.from_shape(PREFILL, chunk_size=128, device="cuda")
+    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+    args = check_forward_args(**inputs, backend="cutile")
+    config = config_for(*args)
+    num_chunks = -(-PREFILL[1] // config.chunk_size)
+    whole = replace(config, chunks_per_segment=num_chunks)
+    print(f"package config {config}")
+    paths = {
+        "package (4 launches)": lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs),
+        "whole row (2 launches)": lambda: run_stages(*args, config=whole),
+    }
+    ours = paths["package (4 launches)"]()[0]
+    other = paths["whole row (2 launches)"]().out
+    print(f"whole row vs package: max |diff| {(other.float() - ours.float()).abs().max().item():.3e}, "
+          f"bitwise equal {torch.equal(other, ours)}")
+    rows = {name: {"host us": [], "bench ms": [], "gpu ms": []} for name in paths}
+    for fn in paths.values():
+        for _ in range(20):
+            fn()
+    for _ in range(ROUNDS):
+        for name, fn in paths.items():
+            rows[name]["host us"].append(host_us(fn))
+            rows[name]["bench ms"].append(measure(fn))
+            rows[name]["gpu ms"].append(back_to_back_ms(fn))
+    for name, fn in paths.items():
+        cells = "  ".join(f"{k} {statistics.median(v):.4g}" for k, v in rows[name].items())
+        print(f"{name:26s} {cells}  kernels {kernel_ms(fn):.4f} ms")
+
+    buf = torch.zeros(1024, device="cuda")
+    stream = launch.current_stream(0)
+    floor = {
+        "ct.launch, 1 array": lambda: ct.launch(stream, (1,), one_array, (buf,)),
+        "ct.launch, 8 arrays + 4": lambda: ct.launch(stream, (1,), twelve, (buf,) * 8 + (3, 4, 64, True)),
+        "torch.empty": lambda: torch.empty(1, 32, 2048, device="cuda"),
+        "raw stream handle": lambda: launch.current_stream(0),
+    }
+    for name, fn in floor.items():
+        for _ in range(50):
+            fn()
+        print(f"{name:26s} {statistics.median(host_us(fn, 2000) for _ in range(5)):.2f} us host per call")
+
+
+if __name__ == "__main__":
+    main()
