@@ -32,6 +32,7 @@
 #                                           gradients after the dy split, then tilegym's backward next to ours
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
+#   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
 #   bash benchmarks/device_check.sh consistent72 1 GPU, ~8 minutes: experiment 72 (the gated dy's low half in the reverse walk) timed, per-head errors, tests
 #   bash benchmarks/device_check.sh state71 1 GPU, ~2 minutes: experiment 71 (the decode step without TMA) timed, bits checked
 #   bash benchmarks/device_check.sh forward70 1 GPU, ~6 minutes: experiment 70 (the forward on tf32 under "high") timed, its tests and the fp32 forward tests
@@ -106,6 +107,21 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+third19)
+  # The nineteenth session's third call (~9 minutes): experiment 70 (forward70), then the tuner's
+  # alternating rounds (experiment 73) on a fresh cache: the tuning GPU tests, the prefill against
+  # fewer launches, bench --only.
+  bash "$0" forward70
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  timeout -s INT 100 python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py -k "tun" -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_tuning.log" 2>&1
+  test_summaries "$out/gpu_tuning.log"
+  timeout 100 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
+  grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
+  timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+  grep -A8 "^| B, T" "$out/bench.log"
+  archive_logs
+  ;;
 serving71)
   # The nineteenth session's second call (~7 minutes), a fresh tuning cache: experiment 71 in the
   # package (the decode step's stores off TMA) through the serving GPU tests, the peers' tests and

@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
 
@@ -212,6 +213,13 @@ def whole_row_chunks(batch, tokens, heads, head_size, config: Config, device=Non
     return -(-longest // config.chunk_size)
 
 
+# Candidates are timed in alternating rounds, each by its median: a host-bound call's time drifts by
+# 30% within seconds on a shared host, and in one pass the first candidates met the warm-up's
+# drift (NOTES.md, experiment 73: the prefill's whole rows measured 0.138 ms in the tuner, 0.105
+# ms just after, the chosen 4-chunk segments 0.132 and 0.177).
+MEASURE_ROUNDS = 3
+
+
 def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
                  cache: ConfigCache | None = None, log=None, whole_row: int | None = None) -> Config:
     """The cached config for ``key``; else, when tuning, the fastest candidate by ``measure``
@@ -226,12 +234,13 @@ def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
         return base
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     log(f"[tilegym-mamba2] tuning {key}")
-    timed = []
     tried = candidates(base, whole_row)
-    for i, config in enumerate(tried, 1):
-        ms = measure(config)
+    rounds = [[measure(config) for config in tried] for _ in range(MEASURE_ROUNDS)]
+    timed = []
+    for i, config in enumerate(tried):
+        ms = statistics.median(round_[i] for round_ in rounds)
         timed.append((ms, config.chunks_per_segment, config))
-        log(f"[tilegym-mamba2]   {i}/{len(tried)} chunks_per_segment={config.chunks_per_segment}: {ms:.3f} ms")
+        log(f"[tilegym-mamba2]   {i + 1}/{len(tried)} chunks_per_segment={config.chunks_per_segment}: {ms:.3f} ms")
     best = min(timed)[2]
     log(f"[tilegym-mamba2]   -> chunks_per_segment={best.chunks_per_segment}, saved to {cache.path}")
     cache.put(key, best)
