@@ -53,6 +53,28 @@ def test_cutile_layer_against_float64(case):
     assert_close_to_reference(where, rows, (out, final, varlen), (ref_out, ref_final, ref_varlen))
 
 
+
+def test_fp32_layer_op_follows_torch_matmul_precision():
+    """The layer op's own kernels (packed sequences' varlen states, per-sequence initial states)
+    follow PyTorch's float32 matmul precision as the plain op's do: at "highest" every output is at
+    fp32's level against float64, at "high" each moves from that by tf32's rounding."""
+    case = Case("per_sequence_init_fp32", [7], 128, ALL, init="seq", final=True, varlen=True, pack="cu", seed=71,
+                dtype=torch.float32)
+    inputs, ours_kw, _, ref_kw, rows = build(case)
+    results, before = {}, torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            with poisoned_outputs():
+                results[precision] = unpack(tilegym_mamba2.mamba_chunk_scan_combined(
+                    **inputs, chunk_size=case.chunk, **ours_kw, backend="cutile"), True, True)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    ref = reference(inputs, ref_kw, case.chunk)
+    for name, exact, tf32, want in zip(("out", "final", "varlen"), results["highest"], results["high"], ref):
+        assert rel_err(exact, want) < 1e-4, f"{name} at highest: {rel_err(exact, want):.3g}"
+        assert 1e-6 < rel_err(tf32, exact) < 5e-3, f"{name}: high against highest {rel_err(tf32, exact):.3g}"
+
 def test_no_options_is_the_plain_op(monkeypatch, tmp_path):
     """Without options the layer op runs the plain op's kernels: at the same config (each op
     tunes its own segment length, so both take the heuristic here: no measuring, and no choice

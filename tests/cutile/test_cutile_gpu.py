@@ -107,6 +107,31 @@ def test_group_scores_give_the_output_of_scores_in_the_block():
     assert rel_err(outs[0], outs[1]) < 1e-4, f"seed={spec.seed}"
 
 
+
+@pytest.mark.parametrize("group_scores", [False, True])
+def test_fp32_forward_follows_torch_matmul_precision(group_scores):
+    """fp32 inputs: at PyTorch's default float32 matmul precision ("highest") the forward's mma
+    keep fp32 operands, at "high" they take tf32 ones (tensor cores), as torch's own matmuls and
+    our backward do: errors at fp32's level and at tf32's (2^-11) respectively, in the output and
+    in the state pass (several segments per row), C·B^T multiplied in compute_out or read from
+    group_scores."""
+    spec, inputs = sample(2, 1000, 1, 16, 128, 64, 128, torch.float32)
+    args = check_forward_args(**forward_inputs(inputs), backend="cutile")
+    config = replace(choose_config(2, 1000, 1, 16, 64, 128, 128), chunk_size=64, chunks_per_segment=3,
+                     group_scores=group_scores)
+    worst, before = {}, torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            with poisoned_outputs():
+                stages = run_stages(*args, config=config)
+            worst[precision] = max(rel_err(stages.out, inputs["out"]),
+                                   rel_err(stages.final_state, inputs["final_state"]))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert worst["highest"] < 1e-5, f"seed={spec.seed} {worst}"
+    assert 1e-5 < worst["high"] < TOLERANCE[torch.float32], f"seed={spec.seed} {worst}"
+
 def test_no_initial_state_means_zeros():
     spec, inputs = sample(2, 300, 1, 4, 64, 64, 64)
     args = forward_inputs(inputs)

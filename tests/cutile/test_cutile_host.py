@@ -117,3 +117,46 @@ def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
             told.setdefault(kernel._pyfunc.__name__, set()).add(args[names.index("tf32")])
     assert set(told) == {"chunk_states_walk_kernel", "chunk_grads_columns_kernel", "chunk_grads_rows_kernel"}, told
     assert all(flags == {want} for flags in told.values()), told
+
+
+@pytest.mark.parametrize("dtype,precision,want", [("float32", "highest", False), ("float32", "high", True),
+                                                  ("bfloat16", "high", False)])
+def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
+    """As the backward's: every forward kernel with an mma, the plain op's (C·B^T from
+    group_scores and in compute_out) and the layer op's packed-sequence ones, is told to take tf32
+    operands exactly for fp32 inputs under a precision other than "highest" (experiment 70)."""
+    pytest.importorskip("cuda.tile")
+    import inspect
+    from dataclasses import replace
+
+    import torch
+    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.cutile.scan_combined import run_layer
+    from tilegym_mamba2.cutile.tuning import choose_config
+    tokens, heads, head_size, state_size = 300, 16, 64, 128
+    dtype = getattr(torch, dtype)
+    x, z = (torch.zeros(1, tokens, heads, head_size, dtype=dtype) for _ in range(2))
+    b = torch.zeros(1, tokens, 1, state_size, dtype=dtype)
+    dt, a, d = torch.zeros(1, tokens, heads, dtype=dtype), torch.zeros(heads), torch.zeros(heads)
+    cu_seqlens = torch.tensor([0, 100, 300], dtype=torch.int32)
+    per_sequence = torch.zeros(2, heads, head_size, state_size)
+    base = replace(choose_config(1, tokens, 1, heads, head_size, state_size, 64), chunks_per_segment=2)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(precision)
+        with recording_launches() as launches:
+            for group_scores in (False, True):
+                run_stages(x, a, b, b, d, dt, None, 64, replace(base, group_scores=group_scores))
+            run_layer(x, dt, a, b, b, 64, d, z, d, per_sequence, None, cu_seqlens, True, (0.0, float("inf")),
+                      with_varlen_states=True, config=base)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    told = {}
+    for kernel, args in launches:
+        names = list(inspect.signature(kernel._pyfunc).parameters)
+        if "tf32" in names:
+            told.setdefault(kernel._pyfunc.__name__, set()).add(args[names.index("tf32")])
+    assert set(told) == {"segment_states_kernel", "compute_out_kernel", "group_scores_kernel",
+                         "varlen_states_kernel", "sequence_init_kernel"}, told
+    assert all(flags == {want} for flags in told.values()), told

@@ -21,7 +21,7 @@ of a sequence that started after it; D may be per channel; z gates the output, y
 import cuda.tile as ct
 
 from .group_scores import group_scores
-from .launch import launch, new_output
+from .launch import launch, new_output, tf32_mma
 from .tuning import segment_count
 
 NO_SKIP, SKIP_PER_HEAD, SKIP_PER_CHANNEL = 0, 1, 2
@@ -32,8 +32,11 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
                        store_final, chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                        state_size: ct.Constant[int], skip_mode: ct.Constant[int],
                        has_z: ct.Constant[bool], has_seq: ct.Constant[bool], has_scores: ct.Constant[bool],
-                       load_latency: ct.Constant[int]):
+                       load_latency: ct.Constant[int], tf32: ct.Constant[bool]):
     batch_head, segment, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    # The mma operands: x's dtype, or tf32 for fp32 inputs where PyTorch's float32 matmul
+    # precision allows it (launch.tf32_mma); a no-op cast otherwise.
+    mma_dtype = ct.tfloat32 if tf32 else x.dtype
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
     group = head // (heads // b.shape[2])
@@ -72,7 +75,8 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
             c_b = ct.load(scores, (batch, group, chunk, 0), (1, 1, chunk_size, chunk_size)).reshape(
                 (chunk_size, chunk_size))
         else:
-            c_b = ct.mma(c_tile, ct.transpose(b_tile), ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
+            c_b = ct.mma(c_tile.astype(mma_dtype), ct.transpose(b_tile.astype(mma_dtype)),
+                         ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
         # Masking the exponent (not the product) keeps exp2 of the upper triangle from overflowing.
         visible = causal
         if has_seq:
@@ -87,10 +91,10 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
             keep = ct.where(state_seq == end_seq, keep, 0.0)
             state_seq = end_seq
         decay = ct.exp2(ct.where(visible, g[:, None] - g[None, :], never))
-        weights = (c_b * decay * dt_tile[None, :]).astype(x.dtype)
-        y = ct.mma(weights, x_tile, ct.zeros((chunk_size, head_tile), dtype=ct.float32))
-        c_decayed = (c_tile.astype(ct.float32) * state_decay[:, None]).astype(x.dtype)
-        y = ct.mma(c_decayed, ct.transpose(state.astype(x.dtype)), y)
+        weights = (c_b * decay * dt_tile[None, :]).astype(mma_dtype)
+        y = ct.mma(weights, x_tile.astype(mma_dtype), ct.zeros((chunk_size, head_tile), dtype=ct.float32))
+        c_decayed = (c_tile.astype(ct.float32) * state_decay[:, None]).astype(mma_dtype)
+        y = ct.mma(c_decayed, ct.transpose(state.astype(mma_dtype)), y)
         if skip_mode != NO_SKIP:
             y = y + skip * x_tile.astype(ct.float32)
         if has_z:
@@ -99,8 +103,8 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
             y = y * gate / (1.0 + ct.exp(-gate))
         ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
 
-        weighted_b = (b_tile.astype(ct.float32) * later_weight[:, None]).astype(x.dtype)
-        state = ct.mma(ct.transpose(x_tile), weighted_b, state * keep)
+        weighted_b = (b_tile.astype(ct.float32) * later_weight[:, None]).astype(mma_dtype)
+        state = ct.mma(ct.transpose(x_tile.astype(mma_dtype)), weighted_b, state * keep)
     # A runtime switch, so both uses share one compiled kernel.
     if store_final != 0:
         ct.store(final_state, (batch, head, p_tile, 0), state.reshape((1, 1, head_tile, state_size)))
@@ -129,5 +133,5 @@ def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chu
             unused if seq_idx is None else seq_idx, unused if scores is None else scores, dt_bht, decay_cumsum,
             entry_states, out, final_state, int(store_final),
             config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
-            z is not None, seq_idx is not None, scores is not None, config.out_load_latency))
+            z is not None, seq_idx is not None, scores is not None, config.out_load_latency, tf32_mma(x.dtype)))
     return out

@@ -29,7 +29,7 @@ kernels and compute_out again (NOTES.md, experiment 24).
 import cuda.tile as ct
 import torch
 
-from .launch import launch, new_output
+from .launch import launch, new_output, tf32_mma
 from .tuning import segment_count
 
 
@@ -37,8 +37,9 @@ from .tuning import segment_count
 def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, segment_decay,
                           chunks_per_segment, chunk_size: ct.Constant[int],
                           head_tile: ct.Constant[int], state_tile: ct.Constant[int],
-                          has_seq: ct.Constant[bool]):
+                          has_seq: ct.Constant[bool], tf32: ct.Constant[bool]):
     batch_head, segment, tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    mma_dtype = ct.tfloat32 if tf32 else x.dtype  # as compute_out_kernel's
     heads = x.shape[2]
     batch, head = batch_head // heads, batch_head % heads
     group = head // (heads // b.shape[2])
@@ -67,7 +68,8 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
         if has_seq:
             seq = ct.load(seq_idx, (batch, chunk), (1, chunk_size), padding_mode=ct.PaddingMode.ZERO)
             weight = ct.where(seq.reshape((chunk_size,)) == end_seq, weight, 0.0)
-        state_t = ct.mma((b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype), x_tile, state_t)
+        state_t = ct.mma((b_t.astype(ct.float32) * weight[None, :]).astype(mma_dtype), x_tile.astype(mma_dtype),
+                         state_t)
         later_decay = later_decay + g_last
     ct.store(local_states, (batch, head, segment * state_tiles + n_tile, p_tile),
              state_t.reshape((1, 1, state_tile, head_tile)))
@@ -140,7 +142,7 @@ def fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk_size, config, s
     kernel = segment_states_kernel if hp * np_ <= 4096 else wide_segment_states_kernel
     launch((batch * heads, segments, tiles), kernel,
            (x, b, dt_bht, decay_cumsum, seq, local_states, segment_decay, per_segment, chunk_size, hp, np_,
-            has_seq))
+            has_seq, tf32_mma(x.dtype)))
     # The scan is a serial walk over segments that moves little data: narrow tiles give more
     # blocks for the same walk (32 x 64 measured 10-30% faster than 64 x 64 on the N=128 shapes).
     has_init = init_state is not None

@@ -33,7 +33,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def tf32_mma(dtype) -> bool:
-    """Whether the backward's mma take fp32 operands as tf32: for fp32 inputs when PyTorch's float32
+    """Whether our kernels' mma take fp32 operands as tf32: for fp32 inputs when PyTorch's float32
     matmul precision allows it (torch.set_float32_matmul_precision("high" or "medium"), the switch
     its own matmuls follow). At "highest", the default, fp32 operands stay fp32 (FMA, no tensor
     cores: benchmarks/NOTES.md, experiment 65)."""

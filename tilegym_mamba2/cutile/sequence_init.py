@@ -12,14 +12,15 @@ more (one more rounding to x's dtype) instead of being fused into the stages.
 """
 import cuda.tile as ct
 
-from .launch import launch
+from .launch import launch, tf32_mma
 
 
 @ct.kernel
 def sequence_init_kernel(out, varlen_states, c, z, decay_cumsum, cu_seqlens, initial_states,
                          chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
-                         state_size: ct.Constant[int], has_z: ct.Constant[bool]):
+                         state_size: ct.Constant[int], has_z: ct.Constant[bool], tf32: ct.Constant[bool]):
     sequence, head, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    mma_dtype = ct.tfloat32 if tf32 else c.dtype  # as compute_out_kernel's
     group = head // (out.shape[2] // c.shape[2])
     start = ct.load(cu_seqlens, (sequence,), (1,)).item()
     end = ct.load(cu_seqlens, (sequence + 1,), (1,)).item()
@@ -42,8 +43,8 @@ def sequence_init_kernel(out, varlen_states, c, z, decay_cumsum, cu_seqlens, ini
         growth = ct.where(inside, ct.exp2(offset + g), 0.0)
         c_tile = ct.load(c, (0, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, state_size))
-        added = ct.mma((c_tile.astype(ct.float32) * growth[:, None]).astype(c.dtype),
-                       init_t.astype(c.dtype), ct.zeros((chunk_size, head_tile), dtype=ct.float32))
+        added = ct.mma((c_tile.astype(ct.float32) * growth[:, None]).astype(mma_dtype),
+                       init_t.astype(mma_dtype), ct.zeros((chunk_size, head_tile), dtype=ct.float32))
         where = (0, position[:, None], head, channel[None, :])
         if has_z:
             gate = ct.gather(z, where, mask=inside[:, None]).astype(ct.float32)
@@ -67,4 +68,4 @@ def add_sequence_initial_states(out, varlen_states, x, c, z, decay_cumsum, cu_se
     head_tile = config.out_head_tile
     launch((num_sequences, heads, head_size // head_tile), sequence_init_kernel,
            (out, varlen_states, c, decay_cumsum if z is None else z, decay_cumsum, cu_seqlens, initial_states,
-            chunk_size, head_tile, c.shape[3], z is not None))
+            chunk_size, head_tile, c.shape[3], z is not None, tf32_mma(c.dtype)))

@@ -7,14 +7,15 @@ at most ``chunks_per_segment`` chunks, however long the sequence.
 """
 import cuda.tile as ct
 
-from .launch import launch, new_output
+from .launch import launch, new_output, tf32_mma
 
 
 @ct.kernel
 def varlen_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_states, varlen_states,
                          chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
-                         state_tile: ct.Constant[int]):
+                         state_tile: ct.Constant[int], tf32: ct.Constant[bool]):
     sequence, head, tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    mma_dtype = ct.tfloat32 if tf32 else x.dtype  # as compute_out_kernel's
     group = head // (x.shape[2] // b.shape[2])
     state_tiles = ct.cdiv(b.shape[3], state_tile)
     p_tile, n_tile = tile // state_tiles, tile % state_tiles
@@ -40,7 +41,7 @@ def varlen_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_
         end = min(last_token - chunk * chunk_size, chunk_size - 1)
         g_end = ct.sum(ct.where(token == end, g, 0.0), axis=0, keepdims=True)
         weight = ct.where((seq == sequence) & (token <= end), dt_tile * ct.exp2(g_end - g), 0.0)
-        state_t = ct.mma((b_t.astype(ct.float32) * weight[None, :]).astype(x.dtype), x_tile,
+        state_t = ct.mma((b_t.astype(ct.float32) * weight[None, :]).astype(mma_dtype), x_tile.astype(mma_dtype),
                          state_t * ct.exp2(g_end))
     ct.store(varlen_states, (sequence, head, n_tile, p_tile),
              state_t.astype(varlen_states.dtype).reshape((1, 1, state_tile, head_tile)), order=(0, 1, 3, 2))
@@ -57,5 +58,5 @@ def varlen_states(x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_states,
     hp, np_ = min(config.state_head_tile, 64), min(config.state_tile, 64)
     launch((num_sequences, heads, (head_size // hp) * (state_size // np_)), varlen_states_kernel,
            (x, b, dt_bht, decay_cumsum, seq_idx, cu_seqlens, entry_states, states,
-            config.chunks_per_segment, chunk_size, hp, np_))
+            config.chunks_per_segment, chunk_size, hp, np_, tf32_mma(x.dtype)))
     return states
