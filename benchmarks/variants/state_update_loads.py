@@ -11,6 +11,9 @@ on the small vectors, on the state's load, on the stores, or on all, each at 16-
 package's) and at 8 and 4 rows (mamba_ssm's block at state 128), through the package's host code:
 the same arithmetic, so the same bits (checked per variant). Timed as state_update_tiles.py does.
 
+Result (run78): the stores off TMA won (NOTES.md, experiment 71) and are in the package since,
+so the "stores" and "all" edits no longer apply to it: run this at 517fadb.
+
     python3 benchmarks/variants/state_update_loads.py [batch ...]
     python benchmarks/variants/state_update_loads.py --resources   (CPU: compiles for sm_90)
 """
