@@ -15,6 +15,10 @@ chunk_cumsum, compute_out walking the whole row, four allocations; other bits: t
 sums are added in another order), its output's largest difference to the package's printed.
 Then the floor: one ct.launch of a one-array kernel and of a 12-argument one (raw stream), and
 one torch.empty on the device.
+
+With --layer: the layer op (D, z, dt_bias, softplus: mamba_ssm's Mamba2 call) on one 2048-token
+row of 32 and of 80 heads, as tuned (whole rows offered to its unpacked short rows since
+experiment 73's second step) against the heuristic's segments, the outputs compared.
 """
 import statistics
 import time
@@ -117,5 +121,36 @@ def main():
         print(f"{name:26s} {statistics.median(host_us(fn, 2000) for _ in range(5)):.2f} us host per call")
 
 
+def layer_main():
+    from tilegym_mamba2.bench_layer import LayerCase, layer_inputs
+    from tilegym_mamba2.cutile.scan_combined import layer_config, mamba_chunk_scan_combined, run_layer
+    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.validation import check_scan_combined_args
+    for heads in (32, 80):
+        case = LayerCase(f"prefill, {heads} heads", 1, 2048, 1, heads, 128, 64)
+        kw, _ = layer_inputs(case)
+        args = check_scan_combined_args(kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 256, kw["D"], kw["z"],
+                                        kw["dt_bias"], None, None, None, True, (0.0, float("inf")), False, False,
+                                        backend="cutile")
+        tuned = layer_config(*args[:14])
+        heuristic = choose_config(1, 2048, 1, heads, 64, 128, 256)
+        print(f"{case.name}: tuned {tuned.chunks_per_segment} chunks per segment, heuristic "
+              f"{heuristic.chunks_per_segment}")
+        paths = {"tuned (the op)": lambda: mamba_chunk_scan_combined(chunk_size=256, **kw),
+                 "heuristic segments": lambda: run_layer(*args[:14], config=heuristic)[0]}
+        outs = [fn() for fn in paths.values()]
+        print(f"  max |diff| {(outs[0].float() - outs[1].float()).abs().max().item():.3e}, "
+              f"bitwise equal {torch.equal(outs[0], outs[1])}")
+        rows = {name: {"host us": [], "bench ms": []} for name in paths}
+        for _ in range(ROUNDS):
+            for name, fn in paths.items():
+                rows[name]["host us"].append(host_us(fn))
+                rows[name]["bench ms"].append(measure(fn))
+        for name, fn in paths.items():
+            cells = "  ".join(f"{k} {statistics.median(v):.4g}" for k, v in rows[name].items())
+            print(f"  {name:24s} {cells}  kernels {kernel_ms(fn):.4f} ms")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    layer_main() if "--layer" in sys.argv else main()
