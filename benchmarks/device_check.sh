@@ -33,6 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh layer74 1 GPU, ~7 minutes: experiment 74 (whole rows for the layer op's short unpacked rows): its prefill timed, layer and HF GPU tests
 #   bash benchmarks/device_check.sh consistent72 1 GPU, ~8 minutes: experiment 72 (the gated dy's low half in the reverse walk) timed, per-head errors, tests
 #   bash benchmarks/device_check.sh state71 1 GPU, ~2 minutes: experiment 71 (the decode step without TMA) timed, bits checked
 #   bash benchmarks/device_check.sh forward70 1 GPU, ~6 minutes: experiment 70 (the forward on tf32 under "high") timed, its tests and the fp32 forward tests
@@ -107,6 +108,23 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+layer74)
+  # Experiment 74 (a patch on the nineteenth session's package): whole rows offered to the layer
+  # op's short unpacked rows, packed calls tuned under keys of their own. The layer op's prefill
+  # tuned against the heuristic's segments (fresh tuning cache), then every layer-op GPU test and
+  # the HF model's (~7 minutes).
+  limit=${LIMIT_S:-300}
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  apply_once benchmarks/variants/experiment74_layer_whole_rows.patch || exit 1
+  timeout 150 python3 benchmarks/variants/prefill_launches.py --layer > "$out/layer_prefill.log" 2>&1
+  grep -vE "Warn|warn" "$out/layer_prefill.log" | cut -c1-220
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/test_layer_cutile_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_layer74.log" 2>&1 &
+  HF_HUB_OFFLINE=1 timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/test_transformers.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_transformers74.log" 2>&1
+  wait
+  test_summaries "$out"/gpu_layer74.log "$out"/gpu_transformers74.log
+  ;;
 third19)
   # The nineteenth session's third call (~9 minutes): experiment 70 (forward70), then the tuner's
   # alternating rounds (experiment 73) on a fresh cache: the tuning GPU tests, the prefill against

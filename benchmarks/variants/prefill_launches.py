@@ -17,8 +17,8 @@ Then the floor: one ct.launch of a one-array kernel and of a 12-argument one (ra
 one torch.empty on the device.
 
 With --layer: the layer op (D, z, dt_bias, softplus: mamba_ssm's Mamba2 call) on one 2048-token
-row of 32 and of 80 heads, as tuned (whole rows offered to its unpacked short rows since
-experiment 73's second step) against the heuristic's segments, the outputs compared.
+row of 32 and of 80 heads, as tuned (with experiment 74's patch, whole rows offered to its
+unpacked short rows) against the heuristic's segments, the outputs compared.
 """
 import statistics
 import time

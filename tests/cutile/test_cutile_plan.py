@@ -446,31 +446,3 @@ def test_no_decode_step_plan_is_remembered_during_graph_capture(monkeypatch):
         recorded(op, kw, kw)
         recorded(op, kw, kw)
     assert plan._plans == {} and checks == [1, 1, 1, 1]
-
-
-@pytest.mark.parametrize("call, options, expected", [
-    ("forward", (), ("", True)),
-    ("layer", ("z", "D"), ("|layer", True)),
-    ("layer", ("cu",), ("|layer|packed", False)),
-])
-def test_whole_rows_are_offered_where_the_call_is_short_and_unpacked(monkeypatch, call, options, expected):
-    """The tuner sees a whole-row candidate for short rows (host-bound calls) of the plain op and
-    of the layer op without packed sequences; packed layer calls, which run the state pass at any
-    segment length, tune under keys of their own without it (launches recorded, nothing timed)."""
-    from tilegym_mamba2 import cutile as backend
-    seen = []
-
-    def fake_tuned_config(key, base, measure, *, tune=None, whole_row=None, **kw):
-        seen.append((key, whole_row))
-        return base
-
-    monkeypatch.setattr(backend, "tuned_config", fake_tuned_config)
-    with recording_launches():
-        if call == "forward":
-            forward(**forward_inputs())
-        else:
-            layer(**layer_inputs(options))
-    suffix, offered = expected
-    (key, whole_row), = seen
-    assert key.endswith("|L64" + suffix if call == "forward" else "|L128" + suffix)
-    assert (whole_row is not None) == offered

@@ -18,8 +18,8 @@ from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
 from .launch import new_output
-from .tuning import (SHORT_ROW_TOKENS, Config, bucket_key, choose_config, segment_count, tuned_config,
-                     tuning_switches, whole_row_chunks)
+from .tuning import (Config, bucket_key, choose_config, segment_count, tuned_config, tuning_switches,
+                     whole_row_chunks)
 
 
 @dataclass
@@ -122,17 +122,15 @@ def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=No
 
 
 def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None = None,
-               run_candidate=None, packed: bool = False) -> Config:
+               run_candidate=None) -> Config:
     """The heuristic config, or the measured one for this shape's bucket (see tuning.py).
     Measuring runs the plain op on these inputs (d may be None: a zero skip is used), or
     ``run_candidate(config)`` when given: the layer op times itself, so that it compiles only its
-    own kernels and its segment length fits its options. Its choices are kept apart, and those of
-    its ``packed`` calls (seq_idx or cu_seqlens) apart from the others."""
+    own kernels and its segment length fits its options. Its choices are kept apart."""
     # Settled answers are remembered per exact shape (plan.py): the bucket lookup measured ~20 us
     # of host time per call, a tenth of a small call. The switches are part of the key.
     layer = run_candidate is not None
-    memo_key = ("config", x.get_device(), x.dtype, x.shape, b.shape, chunk_size, tune, layer, packed,
-                *tuning_switches())
+    memo_key = ("config", x.get_device(), x.dtype, x.shape, b.shape, chunk_size, tune, layer, *tuning_switches())
     config = plan.planned(memo_key)
     if config is not None:
         return config
@@ -140,13 +138,9 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
     groups, state_size = b.shape[2], b.shape[3]
     base = choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size, x.device)
     key = bucket_key(torch.cuda.get_device_name(x.device), x.dtype, batch, tokens, heads, groups,
-                     head_size, state_size, chunk_size, layer=layer, packed=packed)
-    # Packed calls run the state pass whatever the segment length: whole rows would only lengthen
-    # its walk. Where the layer op's rows are long, whole rows are not offered either: its A/B
-    # (NOTES.md, experiment 23) timed the plain op alone; short rows are host-bound (experiment 73).
-    long_layer_row = layer and tokens > SHORT_ROW_TOKENS
-    whole_row = None if packed or long_layer_row else whole_row_chunks(batch, tokens, heads, head_size, base,
-                                                                         x.device)
+                     head_size, state_size, chunk_size, layer=layer)
+    # Whole rows are offered to the plain op only: their A/B (NOTES.md, experiment 23) timed it alone.
+    whole_row = None if layer else whole_row_chunks(batch, tokens, heads, head_size, base, x.device)
     if run_candidate is None:
         if d is None:
             d = torch.zeros(heads, device=x.device)

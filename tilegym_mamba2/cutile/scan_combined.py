@@ -52,8 +52,7 @@ def layer_config(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     def run_candidate(candidate):
         run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
                   dt_limit, with_varlen_states=with_varlen_states, config=candidate)
-    return config_for(x, A, B, C, None, dt, None, chunk_size, run_candidate=run_candidate,
-                      packed=seq_idx is not None or cu_seqlens is not None)
+    return config_for(x, A, B, C, None, dt, None, chunk_size, run_candidate=run_candidate)
 
 
 def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,

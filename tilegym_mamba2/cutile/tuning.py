@@ -128,15 +128,13 @@ def cache_path() -> str:
 
 
 def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_size, chunk_size,
-               layer=False, packed=False) -> str:
+               layer=False) -> str:
     """Shapes that share a key share a config: batch*heads and tokens by power of two. The
-    layer op, which tunes on itself, has keys of its own, and packed calls (seq_idx or
-    cu_seqlens), which always run the state pass, apart from its unpacked ones."""
+    layer op, which tunes on itself, has keys of its own."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
     return (f"{gpu}|{str(dtype).removeprefix('torch.')}|bh{pow2(batch * heads)}|t{pow2(tokens)}"
-            f"|hpg{heads // groups}|P{head_size}|N{state_size}|L{chunk_size}" + ("|layer" if layer else "")
-            + ("|packed" if packed else ""))
+            f"|hpg{heads // groups}|P{head_size}|N{state_size}|L{chunk_size}" + ("|layer" if layer else ""))
 
 
 class ConfigCache:
