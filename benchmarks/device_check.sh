@@ -104,6 +104,12 @@ apply_once() {  # apply_once PATCH: applies a prepared patch unless the tree has
   fi
   git apply "$1" 2>/dev/null || patch -p1 -s < "$1" || { echo "$1 did not apply"; return 1; }
 }
+prefill_and_bench() {  # experiment 73's prefill against the launch floor, then bench --only (its rows)
+  timeout 100 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
+  grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
+  timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+  grep -E "^\(" "$out/bench.log"
+}
 archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
@@ -134,10 +140,7 @@ third19)
   timeout -s INT 100 python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py -k "tun" -p no:cacheprovider \
     --tb=short -rfE > "$out/gpu_tuning.log" 2>&1
   test_summaries "$out/gpu_tuning.log"
-  timeout 100 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
-  grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
-  timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
-  grep -A8 "^| B, T" "$out/bench.log"
+  prefill_and_bench
   archive_logs
   ;;
 serving71)
@@ -151,10 +154,7 @@ serving71)
     tests/cutile/test_cutile_graph_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_serving.log" 2>&1
   test_summaries "$out/gpu_serving.log"
   bash "$0" serving
-  timeout 100 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
-  grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
-  timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
-  grep -A8 "^| B, T" "$out/bench.log"
+  prefill_and_bench
   archive_logs
   ;;
 nineteenth)

@@ -7,7 +7,6 @@ functions by own time, then the host time of each piece of the call on its own.
 """
 import cProfile
 import pstats
-import time
 
 import torch
 
@@ -18,6 +17,7 @@ from tilegym_mamba2.cutile.compute_out import compute_out
 from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.validation import check_forward_args
+from timing import host_us  # this folder's
 
 spec = Mamba2ProblemSpec.from_shape((1, 2048, 1, 32, 128, 64), chunk_size=128, device="cuda")
 inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
@@ -25,18 +25,6 @@ inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backwa
 
 def call():
     return tilegym_mamba2.mamba2_chunk_forward(**inputs)
-
-
-def host_us(fn, n=500):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
 
 
 def print_profile(fn, n, top):

@@ -1,14 +1,16 @@
 """Experiment 73 (GPU): how far the 2048-token prefill is from issue 14's host targets, and what a
 call with fewer launches would buy.
 
-    python3 benchmarks/variants/prefill_launches.py
+    python3 benchmarks/variants/prefill_launches.py [--layer]
+
+(run78-run80 ran it at cd33fd1's text, with its own copies of the two timing helpers.)
 
 The prefill (1, 2048, 1, 32, 128, 64) runs four launches (chunk_cumsum, segment_states,
 state_scan, compute_out) and six allocations; `bench` sees ~0.062 ms for GPU work far shorter, so
 it times the host. Per path, in alternating rounds in one process:
   host us     wall time to queue 200 calls (no synchronize inside), per call
   bench ms    `bench.measure` (L2 flushed), as `bench` reports the prefill
-  gpu ms      CUDA events around 20 back-to-back calls after a synchronize, per call: the
+  gpu ms      CUDA events around 20 back-to-back calls, per call (timing.queued_ms): the
               larger of host and GPU time, so also the profiler's kernel sum (printed)
 Paths: the package (a planned call); the same config with one segment per row (two launches:
 chunk_cumsum, compute_out walking the whole row, four allocations; other bits: the segments'
@@ -21,7 +23,6 @@ row of 32 and of 80 heads, as tuned (with experiment 74's patch, whole rows offe
 unpacked short rows) against the heuristic's segments, the outputs compared.
 """
 import statistics
-import time
 from dataclasses import replace
 
 import cuda.tile as ct
@@ -32,30 +33,10 @@ from tilegym_mamba2.bench import measure
 from tilegym_mamba2.cutile import config_for, launch, run_stages
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.validation import check_forward_args
+from timing import host_us, queued_ms  # this folder's
 
 PREFILL = (1, 2048, 1, 32, 128, 64)
 ROUNDS = 5
-
-
-def host_us(fn, calls=200):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
-def back_to_back_ms(fn, calls=20):
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def kernel_ms(fn):
@@ -102,7 +83,7 @@ def main():
         for name, fn in paths.items():
             rows[name]["host us"].append(host_us(fn))
             rows[name]["bench ms"].append(measure(fn))
-            rows[name]["gpu ms"].append(back_to_back_ms(fn))
+            rows[name]["gpu ms"].append(queued_ms(fn))
     for name, fn in paths.items():
         cells = "  ".join(f"{k} {statistics.median(v):.4g}" for k, v in rows[name].items())
         print(f"{name:26s} {cells}  kernels {kernel_ms(fn):.4f} ms")
@@ -116,9 +97,7 @@ def main():
         "raw stream handle": lambda: launch.current_stream(0),
     }
     for name, fn in floor.items():
-        for _ in range(50):
-            fn()
-        print(f"{name:26s} {statistics.median(host_us(fn, 2000) for _ in range(5)):.2f} us host per call")
+        print(f"{name:26s} {statistics.median(host_us(fn, 2000, warm_up=50) for _ in range(5)):.2f} us host per call")
 
 
 def layer_main():

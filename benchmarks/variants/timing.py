@@ -1,6 +1,7 @@
 """Timing helpers shared by the scratch experiments in this folder (GPU)."""
 import statistics
 import sys
+import time
 
 import torch
 
@@ -23,6 +24,20 @@ def queued_ms(fn, calls=20, batches=3):
     where these stages run one after another."""
     _warm_up(fn)
     return statistics.median(_elapsed_ms(fn, calls) for _ in range(batches))
+
+
+def host_us(fn, calls=500, warm_up=20):
+    """Host microseconds to queue one call: ``calls`` calls timed with no synchronize inside (the
+    GPU is not waited for), after ``warm_up`` calls and a synchronize."""
+    for _ in range(warm_up):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def _warm_up(fn):

@@ -1,4 +1,7 @@
 """The cutile backend's host code, on the CPU."""
+import contextlib
+import inspect
+
 import pytest
 
 
@@ -91,7 +94,6 @@ def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
     under a float32 matmul precision other than "highest" (experiment 65), and the caller's
     precision is left as it was."""
     pytest.importorskip("cuda.tile")
-    import inspect
 
     import torch
     from tilegym_mamba2.backward import chunk_backward
@@ -103,18 +105,9 @@ def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
     b, c = (torch.zeros(batch, tokens, 1, state_size, dtype=dtype) for _ in range(2))
     dt, a, d = torch.zeros(batch, tokens, heads), torch.zeros(heads), torch.zeros(heads)
     init, dfinal = (torch.zeros(batch, heads, head_size, state_size) for _ in range(2))
-    before = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision(precision)
-        with recording_launches() as launches:
-            chunk_backward(KERNELS, x, a, b, c, d, dt, init, dout, dfinal)
-    finally:
-        torch.set_float32_matmul_precision(before)
-    told = {}
-    for kernel, args in launches:
-        names = list(inspect.signature(kernel._pyfunc).parameters)
-        if "tf32" in names:
-            told.setdefault(kernel._pyfunc.__name__, set()).add(args[names.index("tf32")])
+    with matmul_precision(precision), recording_launches() as launches:
+        chunk_backward(KERNELS, x, a, b, c, d, dt, init, dout, dfinal)
+    told = tf32_flags(launches)
     assert set(told) == {"chunk_states_walk_kernel", "chunk_grads_columns_kernel", "chunk_grads_rows_kernel"}, told
     assert all(flags == {want} for flags in told.values()), told
 
@@ -126,7 +119,6 @@ def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     group_scores and in compute_out) and the layer op's packed-sequence ones, is told to take tf32
     operands exactly for fp32 inputs under a precision other than "highest" (experiment 70)."""
     pytest.importorskip("cuda.tile")
-    import inspect
     from dataclasses import replace
 
     import torch
@@ -142,21 +134,34 @@ def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     cu_seqlens = torch.tensor([0, 100, 300], dtype=torch.int32)
     per_sequence = torch.zeros(2, heads, head_size, state_size)
     base = replace(choose_config(1, tokens, 1, heads, head_size, state_size, 64), chunks_per_segment=2)
+    with matmul_precision(precision), recording_launches() as launches:
+        for group_scores in (False, True):
+            run_stages(x, a, b, b, d, dt, None, 64, replace(base, group_scores=group_scores))
+        run_layer(x, dt, a, b, b, 64, d, z, d, per_sequence, None, cu_seqlens, True, (0.0, float("inf")),
+                  with_varlen_states=True, config=base)
+    told = tf32_flags(launches)
+    assert set(told) == {"segment_states_kernel", "compute_out_kernel", "group_scores_kernel",
+                         "varlen_states_kernel", "sequence_init_kernel"}, told
+    assert all(flags == {want} for flags in told.values()), told
+
+
+@contextlib.contextmanager
+def matmul_precision(precision):
+    """torch.set_float32_matmul_precision inside the block, the previous one restored after."""
+    import torch
     before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
     try:
-        torch.set_float32_matmul_precision(precision)
-        with recording_launches() as launches:
-            for group_scores in (False, True):
-                run_stages(x, a, b, b, d, dt, None, 64, replace(base, group_scores=group_scores))
-            run_layer(x, dt, a, b, b, 64, d, z, d, per_sequence, None, cu_seqlens, True, (0.0, float("inf")),
-                      with_varlen_states=True, config=base)
+        yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def tf32_flags(launches) -> dict:
+    """kernel name -> the set of values its launches gave a ``tf32`` parameter (kernels without one left out)."""
     told = {}
     for kernel, args in launches:
         names = list(inspect.signature(kernel._pyfunc).parameters)
         if "tf32" in names:
             told.setdefault(kernel._pyfunc.__name__, set()).add(args[names.index("tf32")])
-    assert set(told) == {"segment_states_kernel", "compute_out_kernel", "group_scores_kernel",
-                         "varlen_states_kernel", "sequence_init_kernel"}, told
-    assert all(flags == {want} for flags in told.values()), told
+    return told
