@@ -33,6 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh prefill75 1 GPU, ~7 minutes: experiment 75 (the plain op's short rows in one launch): bit-equality and forward GPU tests, the prefill timed, bench --only
 #   bash benchmarks/device_check.sh layer74 1 GPU, ~7 minutes: experiment 74 (whole rows for the layer op's short unpacked rows): its prefill timed, layer and HF GPU tests
 #   bash benchmarks/device_check.sh consistent72 1 GPU, ~8 minutes: experiment 72 (the gated dy's low half in the reverse walk) timed, per-head errors, tests
 #   bash benchmarks/device_check.sh state71 1 GPU, ~2 minutes: experiment 71 (the decode step without TMA) timed, bits checked
@@ -114,6 +115,20 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+prefill75)
+  # Experiment 75 (a patch on the nineteenth session's package): the plain op on short rows in one
+  # launch (prefill.py), a tuning candidate. Its bit-equality tests against the whole-row path,
+  # then the cutile forward and graph tests (fresh tuning cache: short rows may now pick it), then
+  # the prefill timed against the package's paths and bench --only (~7 minutes). Apply it alone:
+  # experiment 74's patch touches the same lines.
+  limit=${LIMIT_S:-240}
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  apply_once benchmarks/variants/experiment75_one_launch_prefill.patch || exit 1
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py tests/cutile/test_cutile_graph_gpu.py \
+    -p no:cacheprovider --tb=short -rfE > "$out/gpu_prefill75.log" 2>&1
+  test_summaries "$out/gpu_prefill75.log"
+  prefill_and_bench
+  ;;
 layer74)
   # Experiment 74 (a patch on the nineteenth session's package): whole rows offered to the layer
   # op's short unpacked rows, packed calls tuned under keys of their own. The layer op's prefill

@@ -12,9 +12,10 @@ it times the host. Per path, in alternating rounds in one process:
   bench ms    `bench.measure` (L2 flushed), as `bench` reports the prefill
   gpu ms      CUDA events around 20 back-to-back calls, per call (timing.queued_ms): the
               larger of host and GPU time, so also the profiler's kernel sum (printed)
-Paths: the package (a planned call); the same config with one segment per row (two launches:
-chunk_cumsum, compute_out walking the whole row, four allocations; other bits: the segments'
-sums are added in another order), its output's largest difference to the package's printed.
+Paths: the package (a planned call, as tuned); the same config with one segment per row (two
+launches: chunk_cumsum, compute_out walking the whole row, four allocations); with experiment
+75's patch, the one-launch kernel (prefill.py) at 1, 2, 4, 8 chunks per segment and whole rows;
+each output's largest difference to the package's printed.
 Then the floor: one ct.launch of a one-array kernel and of a 12-argument one (raw stream), and
 one torch.empty on the device.
 
@@ -23,7 +24,7 @@ row of 32 and of 80 heads, as tuned (with experiment 74's patch, whole rows offe
 unpacked short rows) against the heuristic's segments, the outputs compared.
 """
 import statistics
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import cuda.tile as ct
 import torch
@@ -68,13 +69,18 @@ def main():
     whole = replace(config, chunks_per_segment=num_chunks)
     print(f"package config {config}")
     paths = {
-        "package (4 launches)": lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs),
+        "package (as tuned)": lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs),
         "whole row (2 launches)": lambda: run_stages(*args, config=whole),
     }
-    ours = paths["package (4 launches)"]()[0]
-    other = paths["whole row (2 launches)"]().out
-    print(f"whole row vs package: max |diff| {(other.float() - ours.float()).abs().max().item():.3e}, "
-          f"bitwise equal {torch.equal(other, ours)}")
+    if "one_launch" in {f.name for f in fields(config)}:  # experiment 75's patch applied
+        for per_segment in (1, 2, 4, 8, num_chunks):
+            one = replace(config, chunks_per_segment=per_segment, one_launch=True)
+            paths[f"one launch, {per_segment} chunks"] = lambda one=one: run_stages(*args, config=one)
+    ours = paths["package (as tuned)"]()[0]
+    for name, fn in list(paths.items())[1:]:
+        other = fn().out
+        print(f"{name} vs package: max |diff| {(other.float() - ours.float()).abs().max().item():.3e}, "
+              f"bitwise equal {torch.equal(other, ours)}")
     rows = {name: {"host us": [], "bench ms": [], "gpu ms": []} for name in paths}
     for fn in paths.values():
         for _ in range(20):
@@ -86,7 +92,7 @@ def main():
             rows[name]["gpu ms"].append(queued_ms(fn))
     for name, fn in paths.items():
         cells = "  ".join(f"{k} {statistics.median(v):.4g}" for k, v in rows[name].items())
-        print(f"{name:26s} {cells}  kernels {kernel_ms(fn):.4f} ms")
+        print(f"{name:28s} {cells}  kernels {kernel_ms(fn):.4f} ms")
 
     buf = torch.zeros(1024, device="cuda")
     stream = launch.current_stream(0)
