@@ -119,8 +119,8 @@ prefill75)
   # Experiment 75 (a patch on the nineteenth session's package): the plain op on short rows in one
   # launch (prefill.py), a tuning candidate. Its bit-equality tests against the whole-row path,
   # then the cutile forward and graph tests (fresh tuning cache: short rows may now pick it), then
-  # the prefill timed against the package's paths and bench --only (~7 minutes). Apply it alone:
-  # experiment 74's patch touches the same lines.
+  # the prefill timed against the package's paths and bench --only (~7 minutes). Experiment 74's
+  # patch is written on top of this one.
   limit=${LIMIT_S:-240}
   export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
   apply_once benchmarks/variants/experiment75_one_launch_prefill.patch || exit 1
@@ -130,12 +130,13 @@ prefill75)
   prefill_and_bench
   ;;
 layer74)
-  # Experiment 74 (a patch on the nineteenth session's package): whole rows offered to the layer
+  # Experiment 74 (a patch on experiment 75's): whole rows offered to the layer
   # op's short unpacked rows, packed calls tuned under keys of their own. The layer op's prefill
   # tuned against the heuristic's segments (fresh tuning cache), then every layer-op GPU test and
   # the HF model's (~7 minutes).
   limit=${LIMIT_S:-300}
   export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  apply_once benchmarks/variants/experiment75_one_launch_prefill.patch || exit 1  # 74 is written on top of it
   apply_once benchmarks/variants/experiment74_layer_whole_rows.patch || exit 1
   timeout 150 python3 benchmarks/variants/prefill_launches.py --layer > "$out/layer_prefill.log" 2>&1
   grep -vE "Warn|warn" "$out/layer_prefill.log" | cut -c1-220
