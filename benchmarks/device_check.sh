@@ -33,6 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh state76 1 GPU, ~2 minutes: experiment 76 (the decode step with programmatic dependent launch) timed, bits checked
 #   bash benchmarks/device_check.sh prefill75 1 GPU, ~7 minutes: experiment 75 (the plain op's short rows in one launch): bit-equality and forward GPU tests, the prefill timed, bench --only
 #   bash benchmarks/device_check.sh layer74 1 GPU, ~7 minutes: experiment 74 (whole rows for the layer op's short unpacked rows): its prefill timed, layer and HF GPU tests
 #   bash benchmarks/device_check.sh consistent72 1 GPU, ~8 minutes: experiment 72 (the gated dy's low half in the reverse walk) timed, per-head errors, tests
@@ -115,6 +116,12 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+state76)
+  # Experiment 76: selective_state_update with programmatic dependent launch (wait; wait + early
+  # trigger) against the package and mamba_ssm, CUDA-graph replay, bits checked (~2 minutes).
+  (cd benchmarks/variants && timeout 200 python3 state_update_pdl.py 1 8 64 256) > "$out/state76.log" 2>&1
+  grep -vE "Warn|warn|^ +" "$out/state76.log" | cut -c1-200
+  ;;
 prefill75)
   # Experiment 75 (a patch on the nineteenth session's package): the plain op on short rows in one
   # launch (prefill.py), a tuning candidate. Its bit-equality tests against the whole-row path,
