@@ -33,6 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh twentieth 1 GPU, ~9 minutes: state76, then prefill75 (the next session's first call)
 #   bash benchmarks/device_check.sh state76 1 GPU, ~2 minutes: experiment 76 (the decode step with programmatic dependent launch) timed, bits checked
 #   bash benchmarks/device_check.sh prefill75 1 GPU, ~7 minutes: experiment 75 (the plain op's short rows in one launch): bit-equality and forward GPU tests, the prefill timed, bench --only
 #   bash benchmarks/device_check.sh layer74 1 GPU, ~7 minutes: experiment 74 (whole rows for the layer op's short unpacked rows): its prefill timed, layer and HF GPU tests
@@ -116,6 +117,13 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+twentieth)
+  # The next session's first call (~9 minutes): experiment 76 (timings only, the package), then
+  # experiment 75's patch through prefill75 (its tests, the prefill timed, bench --only).
+  bash "$0" state76
+  bash "$0" prefill75
+  archive_logs
+  ;;
 state76)
   # Experiment 76: selective_state_update with programmatic dependent launch (wait; wait + early
   # trigger) against the package and mamba_ssm, CUDA-graph replay, bits checked (~2 minutes).
