@@ -107,6 +107,10 @@ apply_once() {  # apply_once PATCH: applies a prepared patch unless the tree has
   fi
   git apply "$1" 2>/dev/null || patch -p1 -s < "$1" || { echo "$1 did not apply"; return 1; }
 }
+decode_variants() {  # decode_variants NAME SCRIPT SECONDS: a decode-step variant script at batch 1 / 8 / 64 / 256
+  (cd benchmarks/variants && timeout "$3" python3 "$2" 1 8 64 256) > "$out/$1.log" 2>&1
+  grep -vE "Warn|warn|^ +" "$out/$1.log" | cut -c1-200
+}
 prefill_and_bench() {  # experiment 73's prefill against the launch floor, then bench --only (its rows)
   timeout 100 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
   grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
@@ -127,8 +131,7 @@ twentieth)
 state76)
   # Experiment 76: selective_state_update with programmatic dependent launch (wait; wait + early
   # trigger) against the package and mamba_ssm, CUDA-graph replay, bits checked (~2 minutes).
-  (cd benchmarks/variants && timeout 200 python3 state_update_pdl.py 1 8 64 256) > "$out/state76.log" 2>&1
-  grep -vE "Warn|warn|^ +" "$out/state76.log" | cut -c1-200
+  decode_variants state76 state_update_pdl.py 200
   ;;
 prefill75)
   # Experiment 75 (a patch on the nineteenth session's package): the plain op on short rows in one
@@ -224,8 +227,7 @@ state71)
   # Experiment 71: selective_state_update with its loads / stores kept off TMA (the small vectors,
   # the state, the stores, all) at 16-, 8- and 4-row tiles, against the package and mamba_ssm,
   # CUDA-graph replay, bits checked (~2 minutes).
-  (cd benchmarks/variants && timeout 240 python3 state_update_loads.py 1 8 64 256) > "$out/state71.log" 2>&1
-  grep -vE "Warn|warn|^ +" "$out/state71.log" | cut -c1-200
+  decode_variants state71 state_update_loads.py 240
   ;;
 forward70)
   # Experiment 70 (a patch on the eighteenth session's package): the forward's mma on tf32
@@ -280,8 +282,7 @@ split69)
 state67)
   # Experiment 67: selective_state_update on a persistent grid (SMs x 8 or 16 blocks walking
   # 4- to 16-row tiles) against the package and mamba_ssm, CUDA-graph replay, bits checked (~2 minutes).
-  (cd benchmarks/variants && timeout 200 python3 state_update_persistent.py 1 8 64 256) > "$out/state67.log" 2>&1
-  grep -vE "Warn|warn|^ +" "$out/state67.log" | cut -c1-200
+  decode_variants state67 state_update_persistent.py 200
   ;;
 occupancy66)
   # Experiment 66: chunk_grads' two kernels at occupancy 2 (they fit two blocks per SM since the
