@@ -33,6 +33,8 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh pdl76 1 GPU, ~8 minutes: experiment 76 in the package: its threshold timed, serving and graph GPU tests, bench --serving
+#   bash benchmarks/device_check.sh twentieth2 1 GPU, ~9 minutes: state76 again, then layer74 (experiment 74 on the package)
 #   bash benchmarks/device_check.sh twentieth 1 GPU, ~9 minutes: state76, then prefill75 (the next session's first call)
 #   bash benchmarks/device_check.sh state76 1 GPU, ~2 minutes: experiment 76 (the decode step with programmatic dependent launch) timed, bits checked
 #   bash benchmarks/device_check.sh prefill75 1 GPU, ~7 minutes: experiment 75 (the plain op's short rows in one launch): bit-equality and forward GPU tests, the prefill timed, bench --only
@@ -121,6 +123,26 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+pdl76)
+  # The twentieth session's third call (~8 minutes), experiment 76 in the package (the decode step
+  # launched as a programmatic dependent for small grids): the threshold against the flag at every
+  # size and at none, the serving GPU tests, the peers' tests and the graph-capture tests, then
+  # bench --serving.
+  limit=${LIMIT_S:-200}
+  bash "$0" state76
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_serving_gpu.py tests/test_serving_peers_gpu.py \
+    tests/cutile/test_cutile_graph_gpu.py -p no:cacheprovider --tb=short -rfE > "$out/gpu_serving.log" 2>&1
+  test_summaries "$out/gpu_serving.log"
+  bash "$0" serving
+  archive_logs
+  ;;
+twentieth2)
+  # The twentieth session's second call (~9 minutes): experiment 76 again (its launch flag now
+  # reaches cuTile's own launch), then experiment 74 on the package (experiment 75 not adopted).
+  bash "$0" state76
+  bash "$0" layer74
+  archive_logs
+  ;;
 twentieth)
   # The next session's first call (~9 minutes): experiment 76 (timings only, the package), then
   # experiment 75's patch through prefill75 (its tests, the prefill timed, bench --only).
@@ -129,8 +151,9 @@ twentieth)
   archive_logs
   ;;
 state76)
-  # Experiment 76: selective_state_update with programmatic dependent launch (wait; wait + early
-  # trigger) against the package and mamba_ssm, CUDA-graph replay, bits checked (~2 minutes).
+  # Experiment 76: selective_state_update with programmatic dependent launch, the package's threshold
+  # against the flag at every size and at none, and mamba_ssm; CUDA-graph replay, bits checked
+  # (~1 minute; run83-run84 timed the kernel text's two edits with the flag everywhere).
   decode_variants state76 state_update_pdl.py 200
   ;;
 prefill75)
@@ -154,7 +177,6 @@ layer74)
   # the HF model's (~7 minutes).
   limit=${LIMIT_S:-300}
   export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
-  apply_once benchmarks/variants/experiment75_one_launch_prefill.patch || exit 1  # 74 is written on top of it
   apply_once benchmarks/variants/experiment74_layer_whole_rows.patch || exit 1
   timeout 150 python3 benchmarks/variants/prefill_launches.py --layer > "$out/layer_prefill.log" 2>&1
   grep -vE "Warn|warn" "$out/layer_prefill.log" | cut -c1-220

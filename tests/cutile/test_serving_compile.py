@@ -119,3 +119,18 @@ def test_state_update_recognises_expanded_per_head_values():
     with recording_launches() as launches:
         run_state_update(check_state_update_args(**kw, backend="pytorch"))
     assert launches[0][1][14] == PER_ELEMENT
+
+
+def test_small_decode_grids_are_launched_as_programmatic_dependents(monkeypatch):
+    """Batch 1 and 8 of the 2.7B mixer (320 and 2,560 blocks) are launched with the flag, batch 64
+    (20,480 blocks) without it (NOTES.md, experiment 76)."""
+    from tilegym_mamba2.cutile import selective_state_update as ssu
+    from tilegym_mamba2.serving_validation import check_state_update_args
+    seen = []
+    monkeypatch.setattr(ssu, "launch", lambda grid, kernel, args, dependent=False: seen.append((grid, dependent)))
+    heads, p, n = 80, 64, 128
+    for batch in (1, 8, 64):
+        kw = dict(state=torch.zeros(batch, heads, p, n), x=torch.zeros(batch, heads, p), dt=torch.zeros(batch, heads, p),
+                  A=torch.zeros(heads, p, n), B=torch.zeros(batch, 1, n), C=torch.zeros(batch, 1, n))
+        ssu.run_state_update(check_state_update_args(**kw, backend="pytorch"))
+    assert seen == [((1, 80, 4), True), ((8, 80, 4), True), ((64, 80, 4), False)]

@@ -130,6 +130,32 @@ def test_state_update_is_in_place_on_a_strided_state():
     assert torch.equal(cache[:, :, 0], other)
 
 
+def test_back_to_back_steps_read_what_the_kernel_before_wrote():
+    """Small grids are launched as programmatic dependents: their blocks may be scheduled before
+    the kernel ahead has finished. Each step's x is written by a long matmul launched right
+    before it (into a NaN-filled buffer, its last rows last), and each step's state by the step
+    before; twelve steps against the reference's chain."""
+    from tilegym_mamba2.cutile import selective_state_update as ssu
+    seed = fresh_seed()
+    batch, heads, head_size = 1, 80, 64
+    kw = state_update_inputs(batch, heads, head_size, 128, 1, torch.float32, torch.float32, seed)
+    assert batch * heads * (head_size // ssu.tiles_for(head_size, 128)[0]) <= ssu.DEPENDENT_LAUNCH_MAX_BLOCKS
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    left = torch.randn(2048, 2048, generator=g, device="cuda") / 2048 ** 0.5
+    right = [torch.randn(2048, heads * head_size, generator=g, device="cuda") for _ in range(12)]
+    product = torch.empty(2048, heads * head_size, device="cuda")
+    ref = as64(kw)
+    for step, weights in enumerate(right):
+        product.fill_(float("nan"))
+        torch.mm(left, weights, out=product)
+        kw["x"] = product[-batch:].view(batch, heads, head_size)
+        out = tilegym_mamba2.selective_state_update(**kw)
+        ref["x"] = kw["x"].double()
+        ref_out = tilegym_mamba2.selective_state_update(**ref, backend="pytorch")
+        assert rel_err(out, ref_out) < TOLERANCE[torch.float32], f"step {step} out, seed={seed}"
+    assert rel_err(kw["state"], ref["state"]) < TOLERANCE[torch.float32], f"state, seed={seed}"
+
+
 # ---------------------------------------------------------------- causal_conv1d_fn
 
 def conv_inputs(batch, dim, tokens, width, dtype, seed, channel_last=True):

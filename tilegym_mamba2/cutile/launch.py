@@ -5,19 +5,33 @@ instead of running them; tests poison every output buffer with NaN so that an el
 kernel forgot to write cannot pass.
 """
 import contextlib
+import functools
 
 import cuda.tile as ct
+from cuda.tile._cext import launch as _cutile_launch
 import torch
 
 _recording: list | None = None
 _poison = False
 
 
-def launch(grid, kernel, args):
+def launch(grid, kernel, args, *, dependent=False):
+    """``dependent``: a programmatic dependent launch (Hopper and newer; the kernel must call
+    ct.grid_dependency_control_wait before it reads anything the stream's previous kernel writes)."""
     if _recording is not None:
         _recording.append((kernel, tuple(args)))
         return
-    ct.launch(current_stream(args[0].get_device()), grid, kernel, tuple(args))
+    device = args[0].get_device()
+    if dependent and _dependent_launches(device):
+        # cuTile's own launch: importing tilegym replaces ct.launch with a wrapper without keywords.
+        _cutile_launch(current_stream(device), grid, kernel, tuple(args), programmatic_dependent_launch=True)
+    else:
+        ct.launch(current_stream(device), grid, kernel, tuple(args))
+
+
+@functools.cache
+def _dependent_launches(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def current_stream(device_index: int):

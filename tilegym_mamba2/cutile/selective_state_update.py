@@ -33,6 +33,11 @@ def selective_state_update_kernel(state, x, dt, dt_bias, A, B, C, D, z, indices,
                                   has_bias: ct.Constant[bool], has_d: ct.Constant[bool], has_z: ct.Constant[bool],
                                   softplus: ct.Constant[bool], has_indices: ct.Constant[bool]):
     row, head, p_tile = ct.bid(0), ct.bid(1), ct.bid(2)
+    # Small grids are launched as programmatic dependents (run_state_update): nothing is read before
+    # the kernel ahead has finished, and the next one may be scheduled from here on. Launched
+    # without the flag, both are no-ops.
+    ct.grid_dependency_control_wait()
+    ct.grid_dependency_control_launch_dependents()
     if has_indices:
         slot = ct.gather(indices, row)
         if slot >= 0:
@@ -160,8 +165,16 @@ def run_state_update(args, settled=None):
     unused = x  # stands in for absent optional arrays; never read
     launch(grid, selective_state_update_kernel,
            (state, x, dt, unused if dt_bias is None else dt_bias, A, B, C, unused if D is None else D,
-            unused if z is None else z, unused if indices is None else indices, out, *constants))
+            unused if z is None else z, unused if indices is None else indices, out, *constants),
+           dependent=grid[0] * grid[1] * grid[2] <= DEPENDENT_LAUNCH_MAX_BLOCKS)
     return out
+
+
+# A step of a few microseconds is mostly launch latency: launched as a programmatic dependent, its
+# blocks are scheduled while the kernel ahead drains. CUDA-graph replay of the 2.7B mixer's step
+# (320 blocks per batch row): batch 1 / 8 3.91 -> 3.58 / 16.93 -> 14.88 us, batch 64 unchanged,
+# batch 256 385 -> 395 us (NOTES.md, experiment 76); hence only grids up to this many blocks.
+DEPENDENT_LAUNCH_MAX_BLOCKS = 8192
 
 
 def tiles_for(head_size, state_size):
