@@ -33,6 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh chained77 1 GPU, ~3 minutes: experiment 77 (the prefill in one launch, segments chained through memory) checked and timed
 #   bash benchmarks/device_check.sh pdl76 1 GPU, ~8 minutes: experiment 76 in the package: its threshold timed, serving and graph GPU tests, bench --serving
 #   bash benchmarks/device_check.sh twentieth2 1 GPU, ~9 minutes: state76 again, then layer74 (experiment 74 on the package)
 #   bash benchmarks/device_check.sh twentieth 1 GPU, ~9 minutes: state76, then prefill75 (the next session's first call)
@@ -123,6 +124,14 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+chained77)
+  # Experiment 77 (~3 minutes): the plain op's short rows in one launch with the segments chained
+  # through memory (variants/chained_prefill.py): errors against float64 and the package's, then
+  # the prefill's host, bench and GPU times against the package. A hang would show as the timeout.
+  (cd benchmarks/variants && timeout -s INT 240 python3 chained_prefill.py) > "$out/chained77.log" 2>&1
+  echo "exit $?" >> "$out/chained77.log"
+  grep -vE "Warn|warn" "$out/chained77.log" | cut -c1-220
+  ;;
 pdl76)
   # The twentieth session's third call (~8 minutes), experiment 76 in the package (the decode step
   # launched as a programmatic dependent for small grids): the threshold against the flag at every
