@@ -43,9 +43,10 @@ PREFILL = (1, 2048, 1, 32, 128, 64)
 
 
 @ct.kernel(occupancy=2)
-def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, published, flags, tickets,
-                           chunks_per_segment, segments, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
-                           state_size: ct.Constant[int], has_init: ct.Constant[bool], tf32: ct.Constant[bool]):
+def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, published, flags, tickets, dt_bht,
+                           decay_cumsum, chunks_per_segment, segments, chunk_size: ct.Constant[int],
+                           head_tile: ct.Constant[int], state_size: ct.Constant[int], has_init: ct.Constant[bool],
+                           given_sums: ct.Constant[bool], tf32: ct.Constant[bool]):
     mma_dtype = ct.tfloat32 if tf32 else x.dtype
     heads = x.shape[2]
     p_tiles = x.shape[3] // head_tile
@@ -72,9 +73,7 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
                          padding_mode=zero).reshape((chunk_size, head_tile))
         b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=zero).reshape((chunk_size, state_size))
-        dt_tile = ct.load(dt, (batch, chunk, head), (1, chunk_size, 1), padding_mode=zero).astype(
-            ct.float32).reshape((chunk_size,))
-        g = ct.cumsum(dt_tile * a_head, axis=0) * LOG2E
+        dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, given_sums)
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         weighted_b = (b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]).astype(mma_dtype)
         own = ct.mma(ct.transpose(x_tile.astype(mma_dtype)), weighted_b, own * ct.exp2(g_last))
@@ -115,9 +114,7 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
                          padding_mode=zero).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=zero).reshape((chunk_size, state_size))
-        dt_tile = ct.load(dt, (batch, chunk, head), (1, chunk_size, 1), padding_mode=zero).astype(
-            ct.float32).reshape((chunk_size,))
-        g = ct.cumsum(dt_tile * a_head, axis=0) * LOG2E
+        dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, given_sums)
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         c_b = ct.mma(c_tile.astype(mma_dtype), ct.transpose(b_tile.astype(mma_dtype)),
                      ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
@@ -130,6 +127,17 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
         ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
         weighted_b = (b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]).astype(mma_dtype)
         state = ct.mma(ct.transpose(x_tile.astype(mma_dtype)), weighted_b, state * ct.exp2(g_last))
+
+
+@ct.function
+def _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, given_sums):
+    """The chunk's dt and log2 decay sums: computed here, or (the probe) read as chunk_cumsum left them."""
+    if given_sums:
+        return (ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,)),
+                ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,)))
+    dt_tile = ct.load(dt, (batch, chunk, head), (1, chunk_size, 1), padding_mode=ct.PaddingMode.ZERO).astype(
+        ct.float32).reshape((chunk_size,))
+    return dt_tile, ct.cumsum(dt_tile * a_head, axis=0) * LOG2E
 
 
 # At 255 registers with 192 bytes of stack at two blocks per SM (CPU compile): one block per SM, timed too.
@@ -151,9 +159,11 @@ def workspace(device, stream, blocks, published_shape):
 
 
 def chained_prefill(x, a, b, c, d, dt, init_state, chunk_size, chunks_per_segment, head_tile, *, tf32=False,
-                    launch=None, kernel=chained_prefill_kernel):
-    """The plain op's checked arguments -> (out, final_state), in one launch."""
+                    launch=None, kernel=chained_prefill_kernel, given_sums=False):
+    """The plain op's checked arguments -> (out, final_state), in one launch (``given_sums``, a
+    probe: chunk_cumsum launched first, its dt and decay sums read instead of computed)."""
     from tilegym_mamba2.cutile import launch as launches
+    from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
     batch, tokens, heads, head_size = x.shape
     state_size = b.shape[3]
     segments = -(-(-(-tokens // chunk_size)) // chunks_per_segment)
@@ -164,9 +174,10 @@ def chained_prefill(x, a, b, c, d, dt, init_state, chunk_size, chunks_per_segmen
                                           (max(segments - 1, 1), batch * heads, head_size, state_size))
     out = launches.new_output(*x.shape, dtype=x.dtype, device=x.device)
     final_state = launches.new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
+    dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk_size) if given_sums else (published, published)
     args = (x, b, c, d, dt, a, final_state if init_state is None else init_state, out, final_state, published,
-            flags, tickets, chunks_per_segment, segments, chunk_size, head_tile, state_size, init_state is not None,
-            tf32)
+            flags, tickets, dt_bht, decay_cumsum, chunks_per_segment, segments, chunk_size, head_tile, state_size,
+            init_state is not None, given_sums, tf32)
     # cuTile's own launch (importing tilegym wraps ct.launch).
     (launch or cutile_launch)(stream, (segments * batch * heads * p_tiles, 1, 1), kernel, args)
     return out, final_state
@@ -177,7 +188,7 @@ def rel_err(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-def check(shape, per_segment, dtype, with_init, seed):
+def check(shape, per_segment, dtype, with_init, seed, given_sums=False):
     """Errors against float64 (and the package's, the same inputs) after a NaN-filled output."""
     import tilegym_mamba2
     from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
@@ -194,9 +205,9 @@ def check(shape, per_segment, dtype, with_init, seed):
     args = check_forward_args(**inputs, backend="cutile")
     x, a, b, c, d, dt, init, _ = args
     with poisoned_outputs():
-        out, final = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64)
+        out, final = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, given_sums=given_sums)
         torch.cuda.synchronize()
-        again, _ = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64)
+        again, _ = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, given_sums=given_sums)
     package_out, package_final = tilegym_mamba2.mamba2_chunk_forward(**inputs)
     return (rel_err(out, sample["out"]), rel_err(final, sample["final_state"]),
             rel_err(package_out, sample["out"]), rel_err(package_final, sample["final_state"]),
@@ -215,8 +226,8 @@ def main():
              torch.float16, True), ((1, 4096, 1, 16, 64, 64), torch.float32, False)]
     for shape, dtype, with_init in cases:
         for per_segment in (1, 2, 4):
-            e = check(shape, per_segment, dtype, with_init, seed=per_segment)
-            print(f"{str(shape):28s} {str(dtype)[6:]:9s} init {with_init!s:5s} {per_segment} chunks/segment: "
+            e = check(shape, per_segment, dtype, with_init, seed=per_segment, given_sums=per_segment == 4)
+            print(f"{str(shape):28s} {str(dtype)[6:]:9s} init {with_init!s:5s} {per_segment} chunks/segment{' (sums given)' if per_segment == 4 else ''}: "
                   f"out {e[0]:.2e} final {e[1]:.2e} | package {e[2]:.2e} {e[3]:.2e} | NaN {e[4]} | repeat equal {e[5]}",
                   flush=True)
     spec = Mamba2ProblemSpec.from_shape(PREFILL, chunk_size=128, device="cuda")
@@ -230,6 +241,8 @@ def main():
     for per_segment in (2, 4):
         paths[f"chained, {per_segment} chunks, 1/SM"] = (
             lambda n=per_segment: chained_prefill(x, a, b, c, d, dt, init, 128, n, 64, kernel=ONE_PER_SM))
+        paths[f"probe: sums given, {per_segment}"] = (
+            lambda n=per_segment: chained_prefill(x, a, b, c, d, dt, init, 128, n, 64, given_sums=True))
     for fn in paths.values():
         for _ in range(20):
             fn()
@@ -249,15 +262,17 @@ def resources():
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from kernel_remarks import compile_and_report  # this folder's
     batch, tokens, _, heads, head_size, state_size = PREFILL
-    recorded = []
     x = torch.zeros(batch, tokens, heads, head_size, dtype=torch.bfloat16)
     b = torch.zeros(batch, tokens, 1, state_size, dtype=torch.bfloat16)
     from tilegym_mamba2.cutile import launch as launches
     launches.current_stream = lambda device: 0  # CPU placeholders: no stream, nothing launched
     globals()["workspace"] = lambda device, stream, blocks, shape: (
         torch.zeros(blocks, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(shape))
-    chained_prefill(x, torch.zeros(heads), b, b.clone(), torch.zeros(heads), torch.zeros(batch, tokens, heads), None,
-                    128, 2, 64, launch=lambda stream, grid, kernel, args: recorded.append((kernel, args)))
+    with launches.recording_launches() as recorded:
+        for given_sums in (False, True):
+            chained_prefill(x, torch.zeros(heads), b, b.clone(), torch.zeros(heads), torch.zeros(batch, tokens, heads),
+                            None, 128, 2, 64, given_sums=given_sums,
+                            launch=lambda stream, grid, kernel, args: recorded.append((kernel, args)))
     compile_and_report(recorded)
 
 
