@@ -40,13 +40,16 @@ from cuda.tile._cext import launch as cutile_launch
 
 LOG2E = math.log2(math.e)
 PREFILL = (1, 2048, 1, 32, 128, 64)
+COMPUTED, GIVEN, STAGED = 0, 1, 2  # where each phase gets the chunks' decay sums (chained_prefill)
+SUMS = {"computed": COMPUTED, "given": GIVEN, "staged": STAGED}
+CHECKED_SUMS = {1: "computed", 2: "staged", 4: "given"}  # the correctness rows' choice per segment length
 
 
 @ct.kernel(occupancy=2)
 def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, published, flags, tickets, dt_bht,
                            decay_cumsum, chunks_per_segment, segments, chunk_size: ct.Constant[int],
                            head_tile: ct.Constant[int], state_size: ct.Constant[int], has_init: ct.Constant[bool],
-                           given_sums: ct.Constant[bool], tf32: ct.Constant[bool]):
+                           sums: ct.Constant[int], tf32: ct.Constant[bool]):
     mma_dtype = ct.tfloat32 if tf32 else x.dtype
     heads = x.shape[2]
     p_tiles = x.shape[3] // head_tile
@@ -73,11 +76,17 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
                          padding_mode=zero).reshape((chunk_size, head_tile))
         b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=zero).reshape((chunk_size, state_size))
-        dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, given_sums)
+        dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, sums == GIVEN)
+        if sums == STAGED:  # kept for the outputs' phase, in chunk_cumsum's layout
+            ct.store(dt_bht, (batch, head, chunk), dt_tile.reshape((1, 1, chunk_size)))
+            ct.store(decay_cumsum, (batch, head, chunk), g.reshape((1, 1, chunk_size)))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         weighted_b = (b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]).astype(mma_dtype)
         own = ct.mma(ct.transpose(x_tile.astype(mma_dtype)), weighted_b, own * ct.exp2(g_last))
         segment_decay = segment_decay + g_last
+    if sums == STAGED:
+        # Orders this block's stores of the sums before its loads of them in the outputs' phase.
+        ct.atomic_add(tickets, 1, 0, memory_order=ct.MemoryOrder.ACQ_REL, memory_scope=ct.MemoryScope.BLOCK)
 
     # 2. The chain: the entry state from the segment before, the leaving state to the next.
     if segment == 0:
@@ -114,7 +123,7 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
                          padding_mode=zero).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=zero).reshape((chunk_size, state_size))
-        dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, given_sums)
+        dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, sums != COMPUTED)
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         c_b = ct.mma(c_tile.astype(mma_dtype), ct.transpose(b_tile.astype(mma_dtype)),
                      ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
@@ -131,7 +140,7 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
 
 @ct.function
 def _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, given_sums):
-    """The chunk's dt and log2 decay sums: computed here, or (the probe) read as chunk_cumsum left them."""
+    """The chunk's dt and log2 decay sums: computed here, or read in chunk_cumsum's layout."""
     if given_sums:
         return (ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,)),
                 ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size)).reshape((chunk_size,)))
@@ -151,17 +160,28 @@ def workspace(device, stream, blocks, published_shape):
     flags, tickets, published = _workspaces.get(key, (None, None, None))
     if flags is None or flags.numel() < blocks:
         flags = torch.zeros(blocks, dtype=torch.int32, device=device)
-        tickets = torch.zeros(1, dtype=torch.int32, device=device)
+        tickets = torch.zeros(2, dtype=torch.int32, device=device)  # the counter; a word for the fence
     if published is None or published.numel() < math.prod(published_shape):
         published = torch.empty(math.prod(published_shape), dtype=torch.float32, device=device)
     _workspaces[key] = flags, tickets, published
     return flags, tickets, published[:math.prod(published_shape)].view(published_shape)
 
 
+def staged_sums(device, stream, shape):
+    """The workspace's [2, batch, heads, padded tokens] buffer for staged dt and decay sums."""
+    key = ("sums", device, stream)
+    buffer = _workspaces.get(key)
+    if buffer is None or buffer.numel() < math.prod(shape):
+        buffer = _workspaces[key] = torch.empty(math.prod(shape), dtype=torch.float32, device=device)
+    return buffer[:math.prod(shape)].view(shape).unbind(0)
+
+
 def chained_prefill(x, a, b, c, d, dt, init_state, chunk_size, chunks_per_segment, head_tile, *, tf32=False,
-                    launch=None, kernel=chained_prefill_kernel, given_sums=False):
-    """The plain op's checked arguments -> (out, final_state), in one launch (``given_sums``, a
-    probe: chunk_cumsum launched first, its dt and decay sums read instead of computed)."""
+                    launch=None, kernel=chained_prefill_kernel, sums="computed"):
+    """The plain op's checked arguments -> (out, final_state), in one launch. ``sums``: the chunks'
+    dt and decay sums "computed" in both phases; "staged", computed in the first and stored in the
+    workspace for the second; "given", a probe: chunk_cumsum launched first and both phases read
+    its output."""
     from tilegym_mamba2.cutile import launch as launches
     from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
     batch, tokens, heads, head_size = x.shape
@@ -174,10 +194,15 @@ def chained_prefill(x, a, b, c, d, dt, init_state, chunk_size, chunks_per_segmen
                                           (max(segments - 1, 1), batch * heads, head_size, state_size))
     out = launches.new_output(*x.shape, dtype=x.dtype, device=x.device)
     final_state = launches.new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
-    dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk_size) if given_sums else (published, published)
+    if sums == "given":
+        dt_bht, decay_cumsum = chunk_cumsum(dt, a, chunk_size)
+    elif sums == "staged":
+        dt_bht, decay_cumsum = staged_sums(device, stream, (2, batch, heads, -(-tokens // chunk_size) * chunk_size))
+    else:
+        dt_bht = decay_cumsum = published  # unread
     args = (x, b, c, d, dt, a, final_state if init_state is None else init_state, out, final_state, published,
             flags, tickets, dt_bht, decay_cumsum, chunks_per_segment, segments, chunk_size, head_tile, state_size,
-            init_state is not None, given_sums, tf32)
+            init_state is not None, SUMS[sums], tf32)
     # cuTile's own launch (importing tilegym wraps ct.launch).
     (launch or cutile_launch)(stream, (segments * batch * heads * p_tiles, 1, 1), kernel, args)
     return out, final_state
@@ -188,7 +213,7 @@ def rel_err(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-def check(shape, per_segment, dtype, with_init, seed, given_sums=False):
+def check(shape, per_segment, dtype, with_init, seed, sums="computed"):
     """Errors against float64 (and the package's, the same inputs) after a NaN-filled output."""
     import tilegym_mamba2
     from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
@@ -205,9 +230,9 @@ def check(shape, per_segment, dtype, with_init, seed, given_sums=False):
     args = check_forward_args(**inputs, backend="cutile")
     x, a, b, c, d, dt, init, _ = args
     with poisoned_outputs():
-        out, final = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, given_sums=given_sums)
+        out, final = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, sums=sums)
         torch.cuda.synchronize()
-        again, _ = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, given_sums=given_sums)
+        again, _ = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, sums=sums)
     package_out, package_final = tilegym_mamba2.mamba2_chunk_forward(**inputs)
     return (rel_err(out, sample["out"]), rel_err(final, sample["final_state"]),
             rel_err(package_out, sample["out"]), rel_err(package_final, sample["final_state"]),
@@ -226,8 +251,8 @@ def main():
              torch.float16, True), ((1, 4096, 1, 16, 64, 64), torch.float32, False)]
     for shape, dtype, with_init in cases:
         for per_segment in (1, 2, 4):
-            e = check(shape, per_segment, dtype, with_init, seed=per_segment, given_sums=per_segment == 4)
-            print(f"{str(shape):28s} {str(dtype)[6:]:9s} init {with_init!s:5s} {per_segment} chunks/segment{' (sums given)' if per_segment == 4 else ''}: "
+            e = check(shape, per_segment, dtype, with_init, seed=per_segment, sums=CHECKED_SUMS[per_segment])
+            print(f"{str(shape):28s} {str(dtype)[6:]:9s} init {with_init!s:5s} {per_segment} chunks/segment, sums {CHECKED_SUMS[per_segment]}: "
                   f"out {e[0]:.2e} final {e[1]:.2e} | package {e[2]:.2e} {e[3]:.2e} | NaN {e[4]} | repeat equal {e[5]}",
                   flush=True)
     spec = Mamba2ProblemSpec.from_shape(PREFILL, chunk_size=128, device="cuda")
@@ -241,8 +266,9 @@ def main():
     for per_segment in (2, 4):
         paths[f"chained, {per_segment} chunks, 1/SM"] = (
             lambda n=per_segment: chained_prefill(x, a, b, c, d, dt, init, 128, n, 64, kernel=ONE_PER_SM))
-        paths[f"probe: sums given, {per_segment}"] = (
-            lambda n=per_segment: chained_prefill(x, a, b, c, d, dt, init, 128, n, 64, given_sums=True))
+        for sums in ("staged", "given"):
+            paths[f"sums {sums}, {per_segment} chunks"] = (
+                lambda n=per_segment, sums=sums: chained_prefill(x, a, b, c, d, dt, init, 128, n, 64, sums=sums))
     for fn in paths.values():
         for _ in range(20):
             fn()
@@ -267,11 +293,12 @@ def resources():
     from tilegym_mamba2.cutile import launch as launches
     launches.current_stream = lambda device: 0  # CPU placeholders: no stream, nothing launched
     globals()["workspace"] = lambda device, stream, blocks, shape: (
-        torch.zeros(blocks, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(shape))
+        torch.zeros(blocks, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(shape))
+    globals()["staged_sums"] = lambda device, stream, shape: torch.zeros(shape).unbind(0)
     with launches.recording_launches() as recorded:
-        for given_sums in (False, True):
+        for sums in SUMS:
             chained_prefill(x, torch.zeros(heads), b, b.clone(), torch.zeros(heads), torch.zeros(batch, tokens, heads),
-                            None, 128, 2, 64, given_sums=given_sums,
+                            None, 128, 2, 64, sums=sums,
                             launch=lambda stream, grid, kernel, args: recorded.append((kernel, args)))
     compile_and_report(recorded)
 
