@@ -33,6 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh chained78 1 GPU, ~8 minutes: experiment 78 (the chained one-launch path in the package): its GPU tests, forward and graph tests, bench --only
 #   bash benchmarks/device_check.sh chained77 1 GPU, ~3 minutes: experiment 77 (the prefill in one launch, segments chained through memory) checked and timed
 #   bash benchmarks/device_check.sh pdl76 1 GPU, ~8 minutes: experiment 76 in the package: its threshold timed, serving and graph GPU tests, bench --serving
 #   bash benchmarks/device_check.sh twentieth2 1 GPU, ~9 minutes: state76 again, then layer74 (experiment 74 on the package)
@@ -124,11 +125,28 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+chained78)
+  # Experiment 78, experiment 77's chain in the package (~8 minutes): the one-launch path's GPU
+  # tests, the plain op's forward tests and the graph tests with a fresh tuning cache (short
+  # 16-bit rows may now pick it), then bench --only.
+  limit=${LIMIT_S:-170}
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
+  test_summaries "$out/gpu_chained.log"
+  timeout -s INT 200 python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py tests/cutile/test_cutile_graph_gpu.py \
+    -k "forward_matches_reference or graph" -p no:cacheprovider --tb=short -rfE > "$out/gpu_forward.log" 2>&1
+  test_summaries "$out/gpu_forward.log"
+  timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+  grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200
+  archive_logs
+  ;;
 chained77)
   # Experiment 77 (~3 minutes): the plain op's short rows in one launch with the segments chained
   # through memory (variants/chained_prefill.py): errors against float64 and the package's, then
   # the prefill's host, bench and GPU times against the package. A hang would show as the timeout.
-  (cd benchmarks/variants && timeout -s INT 240 python3 chained_prefill.py) > "$out/chained77.log" 2>&1
+  # CHAINED_ARGS=--timing skips the checks (a fresh machine compiles them for ~4 minutes).
+  (cd benchmarks/variants && timeout -s INT "${LIMIT_S:-240}" python3 chained_prefill.py $CHAINED_ARGS) > "$out/chained77.log" 2>&1
   echo "exit $?" >> "$out/chained77.log"
   grep -vE "Warn|warn" "$out/chained77.log" | cut -c1-220
   ;;

@@ -31,6 +31,7 @@ they are checked against the float64 reference at the package's tolerance.
     python benchmarks/variants/chained_prefill.py --resources   (CPU: compiles for sm_90)
 """
 import math
+import os
 import statistics
 import sys
 
@@ -42,14 +43,19 @@ LOG2E = math.log2(math.e)
 PREFILL = (1, 2048, 1, 32, 128, 64)
 COMPUTED, GIVEN, STAGED = 0, 1, 2  # where each phase gets the chunks' decay sums (chained_prefill)
 SUMS = {"computed": COMPUTED, "given": GIVEN, "staged": STAGED}
+# A probe of where the time goes (chained_prefill's ``parts``): the own states only (no wait, no
+# outputs), those and the chain, or the whole kernel.
+OWN_STATES, CHAINED, WHOLE = 1, 2, 3
 CHECKED_SUMS = {1: "computed", 2: "staged", 4: "given"}  # the correctness rows' choice per segment length
 
 
 @ct.kernel(occupancy=2)
 def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, published, flags, tickets, dt_bht,
-                           decay_cumsum, chunks_per_segment, segments, chunk_size: ct.Constant[int],
-                           head_tile: ct.Constant[int], state_size: ct.Constant[int], has_init: ct.Constant[bool],
-                           sums: ct.Constant[int], tf32: ct.Constant[bool]):
+                           decay_cumsum, segment_decays, generation, chunks_per_segment, segments,
+                           chunk_size: ct.Constant[int], head_tile: ct.Constant[int], state_size: ct.Constant[int],
+                           has_init: ct.Constant[bool], sums: ct.Constant[int], tf32: ct.Constant[bool],
+                           parts: ct.Constant[int], lookback: ct.Constant[bool],
+                           load_latency: ct.Constant[int]):
     mma_dtype = ct.tfloat32 if tf32 else x.dtype
     heads = x.shape[2]
     p_tiles = x.shape[3] // head_tile
@@ -66,6 +72,7 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
     first = segment * chunks_per_segment
     last = min(first + chunks_per_segment, num_chunks)
     a_head = ct.load(a, (head,), (1,))
+    hint = None if load_latency == 0 else load_latency  # compute_out's hint (tuning.py), 0: the compiler's
     zero = ct.PaddingMode.ZERO
 
     # 1. The segment's own state (from zero) and its decay, before any wait.
@@ -73,9 +80,9 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
     segment_decay = ct.zeros((1,), dtype=ct.float32)
     for chunk in range(first, last):
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
-                         padding_mode=zero).reshape((chunk_size, head_tile))
+                         padding_mode=zero, latency=hint).reshape((chunk_size, head_tile))
         b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                         padding_mode=zero).reshape((chunk_size, state_size))
+                         padding_mode=zero, latency=hint).reshape((chunk_size, state_size))
         dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, sums == GIVEN)
         if sums == STAGED:  # kept for the outputs' phase, in chunk_cumsum's layout
             ct.store(dt_bht, (batch, head, chunk), dt_tile.reshape((1, 1, chunk_size)))
@@ -89,26 +96,34 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
         ct.atomic_add(tickets, 1, 0, memory_order=ct.MemoryOrder.ACQ_REL, memory_scope=ct.MemoryScope.BLOCK)
 
     # 2. The chain: the entry state from the segment before, the leaving state to the next.
-    if segment == 0:
-        if has_init:
-            entry = ct.load(init_state, (batch, head, p_tile, 0), (1, 1, head_tile, state_size)).reshape(
-                (head_tile, state_size))
+    if lookback:
+        entry = _looked_back_entry(init_state, published, flags, segment_decays, own, segment_decay, generation,
+                                   batch, head, batch_head, p_tile, lane, segment, blocks_per_segment,
+                                   last < num_chunks, head_tile, state_size, has_init, parts >= CHAINED)
+        if last >= num_chunks:
+            leaving = entry * ct.exp2(segment_decay) + own
+            ct.store(final_state, (batch, head, p_tile, 0), leaving.reshape((1, 1, head_tile, state_size)))
+    else:
+        if segment == 0 or parts < CHAINED:
+            if has_init:
+                entry = ct.load(init_state, (batch, head, p_tile, 0), (1, 1, head_tile, state_size)).reshape(
+                    (head_tile, state_size))
+            else:
+                entry = ct.zeros((head_tile, state_size), dtype=ct.float32)
         else:
-            entry = ct.zeros((head_tile, state_size), dtype=ct.float32)
-    else:
-        flag = (segment - 1) * blocks_per_segment + lane
-        seen = ct.atomic_cas(flags, flag, 1, 0, memory_order=ct.MemoryOrder.ACQUIRE)
-        while seen != 1:
+            flag = (segment - 1) * blocks_per_segment + lane
             seen = ct.atomic_cas(flags, flag, 1, 0, memory_order=ct.MemoryOrder.ACQUIRE)
-        entry = ct.load(published, (segment - 1, batch_head, p_tile, 0), (1, 1, head_tile, state_size),
-                        allow_tma=False).reshape((head_tile, state_size))
-    leaving = entry * ct.exp2(segment_decay) + own
-    if last < num_chunks:
-        ct.store(published, (segment, batch_head, p_tile, 0), leaving.reshape((1, 1, head_tile, state_size)),
-                 allow_tma=False)
-        ct.atomic_xchg(flags, segment * blocks_per_segment + lane, 1, memory_order=ct.MemoryOrder.RELEASE)
-    else:
-        ct.store(final_state, (batch, head, p_tile, 0), leaving.reshape((1, 1, head_tile, state_size)))
+            while seen != 1:
+                seen = ct.atomic_cas(flags, flag, 1, 0, memory_order=ct.MemoryOrder.ACQUIRE)
+            entry = ct.load(published, (segment - 1, batch_head, p_tile, 0), (1, 1, head_tile, state_size),
+                            allow_tma=False).reshape((head_tile, state_size))
+        leaving = entry * ct.exp2(segment_decay) + own
+        if last < num_chunks and parts >= CHAINED:
+            ct.store(published, (segment, batch_head, p_tile, 0), leaving.reshape((1, 1, head_tile, state_size)),
+                     allow_tma=False)
+            ct.atomic_xchg(flags, segment * blocks_per_segment + lane, 1, memory_order=ct.MemoryOrder.RELEASE)
+        else:
+            ct.store(final_state, (batch, head, p_tile, 0), leaving.reshape((1, 1, head_tile, state_size)))
 
     # 3. The outputs, as compute_out computes them, from the entry state.
     state = entry
@@ -116,13 +131,13 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
     token = ct.arange(chunk_size, dtype=ct.int32)
     causal = token[:, None] >= token[None, :]
     never = ct.full((chunk_size, chunk_size), -float("inf"), dtype=ct.float32)
-    for chunk in range(first, last):
+    for chunk in range(first, last if parts == WHOLE else first):
         x_tile = ct.load(x, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
-                         padding_mode=zero).reshape((chunk_size, head_tile))
+                         padding_mode=zero, latency=hint).reshape((chunk_size, head_tile))
         b_tile = ct.load(b, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                         padding_mode=zero).reshape((chunk_size, state_size))
+                         padding_mode=zero, latency=hint).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
-                         padding_mode=zero).reshape((chunk_size, state_size))
+                         padding_mode=zero, latency=hint).reshape((chunk_size, state_size))
         dt_tile, g = _decay_sums(dt, a_head, dt_bht, decay_cumsum, batch, chunk, head, chunk_size, sums != COMPUTED)
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         c_b = ct.mma(c_tile.astype(mma_dtype), ct.transpose(b_tile.astype(mma_dtype)),
@@ -136,6 +151,37 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
         ct.store(out, (batch, chunk, head, p_tile), y.astype(out.dtype).reshape((1, chunk_size, 1, head_tile)))
         weighted_b = (b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]).astype(mma_dtype)
         state = ct.mma(ct.transpose(x_tile.astype(mma_dtype)), weighted_b, state * ct.exp2(g_last))
+
+
+@ct.function
+def _looked_back_entry(init_state, published, flags, segment_decays, own, segment_decay, generation, batch, head,
+                       batch_head, p_tile, lane, segment, blocks_per_segment, publishes, head_tile, state_size,
+                       has_init, waits):
+    """The look-back: every segment but the last publishes its own state and decay as soon as it
+    has them (the flag holds the launch's generation, so no flag is ever cleared), and each
+    segment sums the published states of all the segments before it, decayed, nearest first:
+    one wait for states published at about the same time, not a hop per segment."""
+    if publishes and waits:
+        ct.store(published, (segment, batch_head, p_tile, 0), own.reshape((1, 1, head_tile, state_size)),
+                 allow_tma=False)
+        ct.store(segment_decays, (segment, lane), segment_decay.reshape((1, 1)))
+        ct.atomic_xchg(flags, segment * blocks_per_segment + lane, generation, memory_order=ct.MemoryOrder.RELEASE)
+    entry = ct.zeros((head_tile, state_size), dtype=ct.float32)
+    decayed = ct.zeros((1,), dtype=ct.float32)  # log2 decay from the end of segment `earlier` to this one
+    for back in range(segment if waits else 0):
+        earlier = segment - 1 - back
+        flag = earlier * blocks_per_segment + lane
+        seen = ct.atomic_add(flags, flag, 0, memory_order=ct.MemoryOrder.ACQUIRE)
+        while seen != generation:
+            seen = ct.atomic_add(flags, flag, 0, memory_order=ct.MemoryOrder.ACQUIRE)
+        earlier_state = ct.load(published, (earlier, batch_head, p_tile, 0), (1, 1, head_tile, state_size),
+                                allow_tma=False).reshape((head_tile, state_size))
+        entry = entry + earlier_state * ct.exp2(decayed)
+        decayed = decayed + ct.load(segment_decays, (earlier, lane), (1, 1), allow_tma=False).reshape((1,))
+    if has_init:
+        entry = entry + ct.load(init_state, (batch, head, p_tile, 0), (1, 1, head_tile, state_size)).reshape(
+            (head_tile, state_size)) * ct.exp2(decayed)
+    return entry
 
 
 @ct.function
@@ -155,16 +201,20 @@ ONE_PER_SM = chained_prefill_kernel.replace_hints(occupancy=1)
 _workspaces = {}  # (device, stream) -> (flags, tickets, published): clean between launches
 
 
-def workspace(device, stream, blocks, published_shape):
-    key = (device, stream)
-    flags, tickets, published = _workspaces.get(key, (None, None, None))
+def workspace(device, stream, blocks, published_shape, lookback):
+    key = (device, stream, lookback)  # the two protocols leave different values in the flags
+    flags, tickets, published, decays = _workspaces.get(key, (None, None, None, None))
     if flags is None or flags.numel() < blocks:
         flags = torch.zeros(blocks, dtype=torch.int32, device=device)
         tickets = torch.zeros(2, dtype=torch.int32, device=device)  # the counter; a word for the fence
+        decays = torch.empty(blocks, dtype=torch.float32, device=device)
     if published is None or published.numel() < math.prod(published_shape):
         published = torch.empty(math.prod(published_shape), dtype=torch.float32, device=device)
-    _workspaces[key] = flags, tickets, published
-    return flags, tickets, published[:math.prod(published_shape)].view(published_shape)
+    _workspaces[key] = flags, tickets, published, decays
+    return flags, tickets, published[:math.prod(published_shape)].view(published_shape), decays
+
+
+_generation = [0]  # the look-back's flag value of the latest launch (flags start at 0)
 
 
 def staged_sums(device, stream, shape):
@@ -177,7 +227,8 @@ def staged_sums(device, stream, shape):
 
 
 def chained_prefill(x, a, b, c, d, dt, init_state, chunk_size, chunks_per_segment, head_tile, *, tf32=False,
-                    launch=None, kernel=chained_prefill_kernel, sums="computed"):
+                    launch=None, kernel=chained_prefill_kernel, sums="computed", parts=WHOLE, lookback=False,
+                    load_latency=0):
     """The plain op's checked arguments -> (out, final_state), in one launch. ``sums``: the chunks'
     dt and decay sums "computed" in both phases; "staged", computed in the first and stored in the
     workspace for the second; "given", a probe: chunk_cumsum launched first and both phases read
@@ -190,8 +241,11 @@ def chained_prefill(x, a, b, c, d, dt, init_state, chunk_size, chunks_per_segmen
     p_tiles = head_size // head_tile
     device = x.get_device()
     stream = launches.current_stream(device)
-    flags, tickets, published = workspace(device, stream, segments * batch * heads * p_tiles,
-                                          (max(segments - 1, 1), batch * heads, head_size, state_size))
+    lanes = batch * heads * p_tiles
+    flags, tickets, published, decays = workspace(device, stream, segments * lanes,
+                                                  (max(segments - 1, 1), batch * heads, head_size, state_size),
+                                                  lookback)
+    _generation[0] = _generation[0] % (2**31 - 1) + 1
     out = launches.new_output(*x.shape, dtype=x.dtype, device=x.device)
     final_state = launches.new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
     if sums == "given":
@@ -201,8 +255,9 @@ def chained_prefill(x, a, b, c, d, dt, init_state, chunk_size, chunks_per_segmen
     else:
         dt_bht = decay_cumsum = published  # unread
     args = (x, b, c, d, dt, a, final_state if init_state is None else init_state, out, final_state, published,
-            flags, tickets, dt_bht, decay_cumsum, chunks_per_segment, segments, chunk_size, head_tile, state_size,
-            init_state is not None, SUMS[sums], tf32)
+            flags, tickets, dt_bht, decay_cumsum, decays[:segments * lanes].view(segments, lanes), _generation[0],
+            chunks_per_segment, segments, chunk_size, head_tile, state_size, init_state is not None, SUMS[sums], tf32,
+            parts, lookback, load_latency)
     # cuTile's own launch (importing tilegym wraps ct.launch).
     (launch or cutile_launch)(stream, (segments * batch * heads * p_tiles, 1, 1), kernel, args)
     return out, final_state
@@ -213,7 +268,7 @@ def rel_err(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-def check(shape, per_segment, dtype, with_init, seed, sums="computed"):
+def check(shape, per_segment, dtype, with_init, seed, sums="computed", chunk=128, lookback=False):
     """Errors against float64 (and the package's, the same inputs) after a NaN-filled output."""
     import tilegym_mamba2
     from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
@@ -230,9 +285,9 @@ def check(shape, per_segment, dtype, with_init, seed, sums="computed"):
     args = check_forward_args(**inputs, backend="cutile")
     x, a, b, c, d, dt, init, _ = args
     with poisoned_outputs():
-        out, final = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, sums=sums)
+        out, final = chained_prefill(x, a, b, c, d, dt, init, chunk, per_segment, 64, sums=sums, lookback=lookback)
         torch.cuda.synchronize()
-        again, _ = chained_prefill(x, a, b, c, d, dt, init, 128, per_segment, 64, sums=sums)
+        again, _ = chained_prefill(x, a, b, c, d, dt, init, chunk, per_segment, 64, sums=sums, lookback=lookback)
     package_out, package_final = tilegym_mamba2.mamba2_chunk_forward(**inputs)
     return (rel_err(out, sample["out"]), rel_err(final, sample["final_state"]),
             rel_err(package_out, sample["out"]), rel_err(package_final, sample["final_state"]),
@@ -247,7 +302,7 @@ def main():
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from timing import host_us, queued_ms  # this folder's
     print("## against float64 (out, final state), the package's errors beside; NaN; two calls equal")
-    cases = [(PREFILL, torch.bfloat16, True), (PREFILL, torch.bfloat16, False), ((2, 1000, 2, 8, 64, 128),
+    cases = [] if "--timing" in sys.argv else [(PREFILL, torch.bfloat16, True), (PREFILL, torch.bfloat16, False), ((2, 1000, 2, 8, 64, 128),
              torch.float16, True), ((1, 4096, 1, 16, 64, 64), torch.float32, False)]
     for shape, dtype, with_init in cases:
         for per_segment in (1, 2, 4):
@@ -283,25 +338,96 @@ def main():
         print(f"{name:26s} " + "  ".join(f"{k} {statistics.median(v):.4g}" for k, v in rows[name].items()))
 
 
+def graph_ms(fn, calls=20, rounds=5):
+    """GPU milliseconds per call with no host time: ``calls`` calls captured in one CUDA graph,
+    replayed, median of ``rounds`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def probe():
+    """Where the kernel's time goes: its parts, by segment length and by how a segment gets its
+    entry state (the chain: a hop per segment; the look-back: every earlier segment's own state),
+    GPU time from graph replay (the partial kernels' outputs are not checked), after checks of
+    the look-back; then host and `bench` times."""
+    from tilegym_mamba2.bench import measure
+    from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
+    from tilegym_mamba2.validation import check_forward_args
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from timing import host_us  # this folder's
+    print("## the look-back against float64 (out, final state), the package's errors beside; NaN; two calls equal")
+    for shape, dtype, with_init, per_segment in ((PREFILL, torch.bfloat16, True, 2),
+                                                 ((2, 1000, 2, 8, 64, 128), torch.float16, False, 3)):
+        e = check(shape, per_segment, dtype, with_init, seed=per_segment, sums="staged", lookback=True)
+        print(f"{str(shape):28s} {str(dtype)[6:]:9s} init {with_init!s:5s} {per_segment} chunks/segment: "
+              f"out {e[0]:.2e} final {e[1]:.2e} | package {e[2]:.2e} {e[3]:.2e} | NaN {e[4]} | repeat equal {e[5]}",
+              flush=True)
+    spec = Mamba2ProblemSpec.from_shape(PREFILL, chunk_size=128, device="cuda")
+    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+    x, a, b, c, d, dt, init, _ = check_forward_args(**inputs, backend="cutile")
+    print("## probe: GPU ms per call in graph replay (the prefill, bf16, chunk 128, sums staged, the chain)")
+    variants = {f"{n} chunks/segment, load latency {hint}": dict(per_segment=n, load_latency=hint)
+                for n in (3, 4) for hint in (0, 1)}
+    for name, kw in variants.items():
+        row = []
+        for parts, part in ((OWN_STATES, "own states"), (CHAINED, "+ entry"), (WHOLE, "+ outputs")):
+            fn = (lambda: chained_prefill(x, a, b, c, d, dt, init, 128, kw["per_segment"], 64, sums="staged",
+                                          parts=parts, load_latency=kw["load_latency"]))
+            row.append(f"{part} {graph_ms(fn):.4f}")
+        print(f"{name:36s}: " + "  ".join(row), flush=True)
+    print("## host us per call and bench ms (L2 flushed), medians of 3 alternating rounds")
+    import tilegym_mamba2
+    paths = {"package (as tuned)": lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs)}
+    for name, kw in variants.items():
+        paths[name] = lambda kw=kw: chained_prefill(x, a, b, c, d, dt, init, 128, kw["per_segment"], 64,
+                                                    sums="staged", load_latency=kw["load_latency"])
+    rows = {name: ([], []) for name in paths}
+    for _ in range(3):
+        for name, fn in paths.items():
+            rows[name][0].append(host_us(fn))
+            rows[name][1].append(measure(fn))
+    for name, (host, bench) in rows.items():
+        print(f"{name:32s} host us {statistics.median(host):.1f}  bench ms {statistics.median(bench):.4f}")
+
+
 def resources():
     """Compiles the kernel for sm_90 on CPU placeholders of the prefill (no GPU)."""
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from kernel_remarks import compile_and_report  # this folder's
-    batch, tokens, _, heads, head_size, state_size = PREFILL
+    batch, tokens, _, heads, state_size, head_size = PREFILL  # the benchmarks' order
     x = torch.zeros(batch, tokens, heads, head_size, dtype=torch.bfloat16)
     b = torch.zeros(batch, tokens, 1, state_size, dtype=torch.bfloat16)
     from tilegym_mamba2.cutile import launch as launches
     launches.current_stream = lambda device: 0  # CPU placeholders: no stream, nothing launched
-    globals()["workspace"] = lambda device, stream, blocks, shape: (
-        torch.zeros(blocks, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(shape))
+    globals()["workspace"] = lambda device, stream, blocks, shape, lookback: (
+        torch.zeros(blocks, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(shape),
+        torch.zeros(blocks))
     globals()["staged_sums"] = lambda device, stream, shape: torch.zeros(shape).unbind(0)
     with launches.recording_launches() as recorded:
-        for sums in SUMS:
+        for sums, lookback in (("computed", False), ("staged", False), ("staged", True)):
             chained_prefill(x, torch.zeros(heads), b, b.clone(), torch.zeros(heads), torch.zeros(batch, tokens, heads),
-                            None, 128, 2, 64, sums=sums,
+                            None, int(os.environ.get("CHUNK", 128)), 2, 64, sums=sums, lookback=lookback,
                             launch=lambda stream, grid, kernel, args: recorded.append((kernel, args)))
     compile_and_report(recorded)
 
 
 if __name__ == "__main__":
-    resources() if "--resources" in sys.argv else main()
+    resources() if "--resources" in sys.argv else probe() if "--probe" in sys.argv else main()

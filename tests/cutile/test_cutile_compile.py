@@ -83,3 +83,13 @@ def test_compile_layer_op_every_option_sm90(per_sequence_init, heads):
     assert sorted(names) == sorted(expected), names
     assert all(size > 0 for _, size, _ in results)
 
+
+
+@pytest.mark.parametrize("dtype,with_init_state,head_size,state_size", [(torch.bfloat16, True, 64, 128),
+                                                                        (torch.float16, False, 128, 64)])
+def test_compile_the_chained_one_launch_path_sm90(dtype, with_init_state, head_size, state_size):
+    """The short rows' one-launch kernel (chained_prefill.py), at its 128-token chunks."""
+    results = compile_kernels("sm_90", dtype=dtype, with_init_state=with_init_state, head_size=head_size,
+                              state_size=state_size, chained=True)
+    assert [name for name, _, _ in results] == ["chained_prefill_kernel"]
+    assert all(size > 0 for _, size, _ in results)

@@ -165,3 +165,65 @@ def tf32_flags(launches) -> dict:
         if "tf32" in names:
             told.setdefault(kernel._pyfunc.__name__, set()).add(args[names.index("tf32")])
     return told
+
+
+def test_the_chained_path_is_one_launch_and_reuses_its_workspace():
+    """A chained config runs one kernel, allocates the two outputs (and its workspace on the
+    first call of a shape only), and all its segment lengths share one specialization."""
+    pytest.importorskip("cuda.tile")
+    import torch
+    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.chained_prefill import _workspaces
+    from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.cutile.tuning import CHAINED_SEGMENTS, chained_config, choose_config
+    batch, tokens, heads, head_size, state_size = 1, 1000, 8, 64, 128
+    x, b = torch.randn(batch, tokens, heads, head_size).bfloat16(), torch.randn(batch, tokens, 1, state_size).bfloat16()
+    a, d, dt = -torch.rand(heads), torch.randn(heads), torch.rand(batch, tokens, heads)
+    base = choose_config(batch, tokens, 1, heads, head_size, state_size, 128)
+    _workspaces.clear()
+    specializations = set()
+    for per_segment in CHAINED_SEGMENTS:
+        config = chained_config(base, per_segment)
+        with recording_launches() as launches:
+            stages = run_stages(x, a, b, b, d, dt, None, 128, config)
+        assert [k._pyfunc.__name__ for k, _ in launches] == ["chained_prefill_kernel"]
+        assert stages.out.shape == x.shape and stages.final_state.shape == (batch, heads, head_size, state_size)
+        specializations.add(specialization(launches[0][1]))
+        kernel_args = launches[0][1]
+        flags, tickets = kernel_args[10], kernel_args[11]
+        assert flags.dtype == tickets.dtype == torch.int32 and not flags.any() and not tickets.any()
+        segments = -(-(-(-tokens // 128)) // per_segment)
+        assert flags.numel() >= segments * heads and kernel_args[15] == segments
+    assert len(specializations) == 1
+    workspace = next(iter(_workspaces.values()))
+    views = dict(workspace.views)
+    with recording_launches() as launches:
+        run_stages(x, a, b, b, d, dt, None, 128, chained_config(base, CHAINED_SEGMENTS[0]))
+    assert workspace.views.keys() == views.keys()  # a repeated shape makes no new view
+
+
+def test_a_chained_call_being_captured_gets_a_workspace_of_its_own(monkeypatch):
+    """Graphs captured on one stream may be replayed on several at once: a captured call must not
+    share the stream's workspace."""
+    pytest.importorskip("cuda.tile")
+    import torch
+    from tilegym_mamba2.cutile import run_stages, tuning
+    from tilegym_mamba2.cutile.chained_prefill import _workspaces
+    from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.cutile.tuning import chained_config, choose_config
+    x, b = torch.randn(1, 300, 4, 32).bfloat16(), torch.randn(1, 300, 1, 64).bfloat16()
+    a, d, dt = -torch.rand(4), torch.randn(4), torch.rand(1, 300, 4)
+    config = chained_config(choose_config(1, 300, 1, 4, 32, 64, 128), 2)
+    _workspaces.clear()
+    with recording_launches() as launches:
+        run_stages(x, a, b, b, d, dt, None, 128, config)
+    stream_flags = launches[0][1][10]
+    monkeypatch.setattr(tuning.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning.torch.cuda, "is_current_stream_capturing", lambda: True)
+    for _ in range(2):
+        with recording_launches() as launches:
+            run_stages(x, a, b, b, d, dt, None, 128, config)
+        assert [k._pyfunc.__name__ for k, _ in launches] == ["chained_prefill_kernel"]
+        flags, tickets = launches[0][1][10], launches[0][1][11]
+        assert flags.data_ptr() != stream_flags.data_ptr() and not flags.any() and not tickets.any()
+    assert len(_workspaces) == 1

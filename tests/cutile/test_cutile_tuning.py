@@ -151,3 +151,36 @@ def test_compute_out_hints_follow_the_state_size():
     assert (source.out_load_latency, source.out_occupancy) == (1, 2)
     assert (wide.out_load_latency, wide.out_occupancy) == (0, 1)
     assert choose_config(8, 4096, 1, 32, 128, 64, 128).out_occupancy == 2
+
+
+def test_the_one_launch_path_is_offered_for_short_16_bit_rows_only():
+    from tilegym_mamba2.cutile.tuning import CHAINED_SEGMENTS, chained_fits
+    prefill = choose_config(1, 2048, 1, 32, 64, 128, 128)
+    found = candidates(prefill, 2048 // prefill.chunk_size, chained=True)
+    chained = [c for c in found if c.chained]
+    assert [c.chunks_per_segment for c in chained] == list(CHAINED_SEGMENTS)
+    assert all(c.chunk_size == 128 and c.out_head_tile <= 64 for c in chained)
+    assert not any(c.chained for c in candidates(prefill, 16))  # the layer op and long rows: not asked
+    assert chained_fits(2048, 128, torch.bfloat16) and chained_fits(4096, 64, torch.float16)
+    assert not chained_fits(4097, 128, torch.bfloat16)   # a longer bucket fills the GPU with four launches
+    assert not chained_fits(2048, 256, torch.bfloat16)   # wider states: not measured
+    assert not chained_fits(2048, 128, torch.float32)
+
+
+def test_a_saved_one_launch_choice_is_read_back_only_where_it_is_offered(tmp_path, capsys):
+    prefill = choose_config(1, 2048, 1, 32, 64, 128, 128)
+    path = str(tmp_path / "configs.json")
+
+    def one_launch_fastest(config):
+        return 0.05 if config.chained and config.chunks_per_segment == 4 else 0.08
+
+    got = tuned_config(key(2048, batch=1, heads=32), prefill, one_launch_fastest, tune=True, cache=ConfigCache(path),
+                       chained=True)
+    assert got.chained and got.chunks_per_segment == 4 and got.chunk_size == 128
+    assert "chained (128-token chunks)" in capsys.readouterr().err
+    again = tuned_config(key(2048, batch=1, heads=32), prefill, FakeTimer(best=1), tune=False,
+                         cache=ConfigCache(path), chained=True)
+    assert again == got
+    # a caller the path is not offered to gets the heuristic, not a config it cannot run
+    assert tuned_config(key(2048, batch=1, heads=32), prefill, FakeTimer(best=1), tune=False,
+                        cache=ConfigCache(path)) == prefill

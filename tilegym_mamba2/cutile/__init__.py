@@ -14,21 +14,23 @@ from ..autograd import differentiable_chunk_forward, wanted
 from ..toolchain import explain_compile_failure
 from ..validation import check_forward_args, forward_args
 from . import plan
+from .chained_prefill import chained_prefill
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
 from .launch import new_output
-from .tuning import (Config, bucket_key, choose_config, segment_count, tuned_config, tuning_switches,
-                     whole_row_chunks)
+from .tuning import (Config, bucket_key, chained_fits, choose_config, segment_count, tuned_config,
+                     tuning_switches, whole_row_chunks)
 
 
 @dataclass
 class Stages:
-    """Every intermediate of one forward call, for stage-by-stage checks."""
+    """Every intermediate of one forward call, for stage-by-stage checks (None where the chained
+    path keeps them inside its kernel or its workspace)."""
     config: Config
-    dt_bht: torch.Tensor
-    decay_cumsum: torch.Tensor
-    entry_states: torch.Tensor  # [batch, heads, segments * state_size, head_size] (fwd_pass_state.py)
+    dt_bht: torch.Tensor | None
+    decay_cumsum: torch.Tensor | None
+    entry_states: torch.Tensor | None  # [batch, heads, segments * state_size, head_size] (fwd_pass_state.py)
     final_state: torch.Tensor
     out: torch.Tensor
 
@@ -90,6 +92,9 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     """Runs the three stages on already-checked arguments."""
     if config is None:
         config = config_for(x, a, b, c, d, dt, init_state, chunk_size)
+    if config.chained:
+        out, final_state = chained_prefill(x, a, b, c, d, dt, init_state, config)
+        return Stages(config, None, None, None, final_state, out)
     # The kernels use their own chunk length (config.chunk_size): the recurrence, and so the
     # result, does not depend on it.
     chunk = config.chunk_size
@@ -146,8 +151,9 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
             d = torch.zeros(heads, device=x.device)
         args = (x, a, b, c, d, dt, init_state, chunk_size)
         run_candidate = lambda config: run_stages(*args, config=config)  # noqa: E731
+    chained = not layer and chained_fits(tokens, state_size, x.dtype)
     config = tuned_config(key, base, lambda config: _milliseconds(lambda: run_candidate(config)), tune=tune,
-                          whole_row=whole_row)
+                          whole_row=whole_row, chained=chained)
     plan.remember(memo_key, config)  # not during capture: there the heuristic stands in
     return config
 

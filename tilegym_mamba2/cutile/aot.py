@@ -14,16 +14,17 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
 
 from . import run_stages
 from .launch import recording_launches
-from .tuning import choose_config
+from .tuning import CHAINED_SEGMENTS, chained_config, choose_config
 
 _DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
            torch.int32: ct.int32, torch.int64: ct.int64}
 
 
 def compile_kernels(target="sm_90", *, batch=2, tokens=1000, groups=1, heads=8, head_size=64,
-                    state_size=128, chunk_size=128, dtype=torch.bfloat16, with_init_state=True):
+                    state_size=128, chunk_size=128, dtype=torch.bfloat16, with_init_state=True, chained=False):
     """Compiles every kernel one forward call of this shape launches, for ``target``
-    (e.g. "sm_90"). Returns [(kernel name, cubin size in bytes, seconds)]."""
+    (e.g. "sm_90"); with ``chained``, the one-launch path's kernel (tuning.chained_config).
+    Returns [(kernel name, cubin size in bytes, seconds)]."""
     def empty(*shape, dt=dtype):
         return torch.empty(*shape, dtype=dt)
 
@@ -33,6 +34,8 @@ def compile_kernels(target="sm_90", *, batch=2, tokens=1000, groups=1, heads=8, 
     a, d = empty(heads, dt=torch.float32), empty(heads, dt=torch.float32)
     init = empty(batch, heads, head_size, state_size, dt=torch.float32) if with_init_state else None
     config = choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size)
+    if chained:
+        config = chained_config(config, CHAINED_SEGMENTS[-1])
     with recording_launches() as launches:
         run_stages(x, a, b, c, d, dt, init, chunk_size, config)
     return _export(launches, target)

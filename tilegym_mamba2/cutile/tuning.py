@@ -25,6 +25,7 @@ class Config:
     group_scores: bool        # compute_out reads C·B^T computed once per group (group_scores.py)
     out_load_latency: int = 0  # compute_out's x, B, C loads: cuTile latency hint 1-10, 0 = none
     out_occupancy: int = 2     # compute_out's blocks per SM (the kernel's occupancy hint): 1 or 2
+    chained: bool = False      # the plain op in one launch, segments chained (chained_prefill.py)
 
 
 def segment_count(dt_bht, chunk_size, config: Config) -> int:
@@ -185,13 +186,34 @@ def _default_cache() -> ConfigCache:
     return _cache
 
 
-def candidates(base: Config, whole_row: int | None = None) -> list[Config]:
-    """The segment lengths worth trying around the heuristic's choice, and ``whole_row`` (see
-    whole_row_chunks) when given."""
+def candidates(base: Config, whole_row: int | None = None, chained: bool = False) -> list[Config]:
+    """The segment lengths worth trying around the heuristic's choice, ``whole_row`` (see
+    whole_row_chunks) when given, and with ``chained`` the one-launch path's."""
     lengths = {max(1, base.chunks_per_segment // 2), base.chunks_per_segment, base.chunks_per_segment * 2}
     if whole_row is not None:
         lengths.add(whole_row)
-    return [replace(base, chunks_per_segment=k) for k in sorted(lengths)]
+    found = [replace(base, chunks_per_segment=k) for k in sorted(lengths)]
+    if chained:
+        found += [chained_config(base, k) for k in CHAINED_SEGMENTS]
+    return found
+
+
+# The one-launch path is offered for short rows of 16-bit inputs with states of up to 128 columns:
+# the host-bound calls it is for, at the tile sizes its GPU tests cover. Its segment lengths (in
+# 128-token chunks): 4 timed fastest on the prefill, 2 leaves more blocks to wider batches
+# (NOTES.md, experiment 77).
+CHAINED_SEGMENTS = (2, 4)
+CHAINED_CHUNK = 128
+
+
+def chained_fits(tokens, state_size, dtype) -> bool:
+    return tokens <= SHORT_ROW_TOKENS and state_size <= 128 and dtype in (torch.bfloat16, torch.float16)
+
+
+def chained_config(base: Config, chunks_per_segment: int) -> Config:
+    # Head tiles of at most 64 columns: with 128-token chunks, wider ones were not measured.
+    return replace(base, chained=True, chunk_size=CHAINED_CHUNK, chunks_per_segment=chunks_per_segment,
+                   out_head_tile=min(base.out_head_tile, 64))
 
 
 # Rows this short are offered whole even where their blocks leave SMs idle: such a call is
@@ -221,27 +243,35 @@ MEASURE_ROUNDS = 3
 
 
 def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
-                 cache: ConfigCache | None = None, log=None, whole_row: int | None = None) -> Config:
+                 cache: ConfigCache | None = None, log=None, whole_row: int | None = None,
+                 chained: bool = False) -> Config:
     """The cached config for ``key``; else, when tuning, the fastest candidate by ``measure``
     (config -> milliseconds), saved; else ``base``."""
     cache = cache or _default_cache()
     found = cache.get(key)
     if found is not None:
-        # Only the segment length was measured; the rest follows the current heuristic, so a
-        # cache written by an older version does not pin its tile choices.
+        # Only the segment length (and the one-launch path) was measured; the rest follows the
+        # current heuristic, so a cache written by an older version does not pin its tile choices.
+        if found.chained:
+            return chained_config(base, found.chunks_per_segment) if chained else base
         return replace(base, chunks_per_segment=found.chunks_per_segment)
     if not (tuning_enabled() if tune is None else tune):
         return base
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     log(f"[tilegym-mamba2] tuning {key}")
-    tried = candidates(base, whole_row)
+    tried = candidates(base, whole_row, chained)
     rounds = [[measure(config) for config in tried] for _ in range(MEASURE_ROUNDS)]
     timed = []
     for i, config in enumerate(tried):
         ms = statistics.median(round_[i] for round_ in rounds)
-        timed.append((ms, config.chunks_per_segment, config))
-        log(f"[tilegym-mamba2]   {i + 1}/{len(tried)} chunks_per_segment={config.chunks_per_segment}: {ms:.3f} ms")
-    best = min(timed)[2]
-    log(f"[tilegym-mamba2]   -> chunks_per_segment={best.chunks_per_segment}, saved to {cache.path}")
+        timed.append((ms, config.chunks_per_segment, i, config))
+        log(f"[tilegym-mamba2]   {i + 1}/{len(tried)} {_described(config)}: {ms:.3f} ms")
+    best = min(timed)[3]
+    log(f"[tilegym-mamba2]   -> {_described(best)}, saved to {cache.path}")
     cache.put(key, best)
     return best
+
+
+def _described(config: Config) -> str:
+    described = f"chunks_per_segment={config.chunks_per_segment}"
+    return f"{described}, chained ({config.chunk_size}-token chunks)" if config.chained else described
