@@ -157,6 +157,8 @@ def compile_all(target) -> int:
     from .toolchain import explain_compile_failure
     try:
         for op, compiled in (("mamba2_chunk_forward", lambda: compile_kernels(target)),
+                             ("mamba2_chunk_forward, short rows in one launch",
+                              lambda: compile_kernels(target, chained=True)),
                              ("mamba_chunk_scan_combined, every option",
                               lambda: compile_layer_kernels(target, per_sequence_init=True)),
                              ("mamba2_chunk_backward", lambda: compile_backward_kernels(target)),

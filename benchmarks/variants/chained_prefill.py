@@ -1,5 +1,8 @@
 """Experiment 77 (GPU; compiles on a CPU with --resources): the plain op's short rows in one
-launch, its segments chained through memory.
+launch, its segments chained through memory. The package's kernel (experiment 78) is
+tilegym_mamba2/cutile/chained_prefill.py, the "staged" chain of this script; the script keeps the
+switches its probes timed (where the decay sums come from, the parts, the look-back, 64-token
+chunks, load hints).
 
 Experiment 75's one launch reached the host target (23-27 us per call) but every block redid the
 state walk before its segment, so its kernels took 0.13-0.39 ms against 0.066 for two launches
@@ -338,29 +341,10 @@ def main():
         print(f"{name:26s} " + "  ".join(f"{k} {statistics.median(v):.4g}" for k, v in rows[name].items()))
 
 
-def graph_ms(fn, calls=20, rounds=5):
-    """GPU milliseconds per call with no host time: ``calls`` calls captured in one CUDA graph,
-    replayed, median of ``rounds`` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+def graph_ms(fn, calls=20):
+    """GPU milliseconds per call with no host time (``calls`` calls in one CUDA graph)."""
+    from timing import graph_us  # this folder's
+    return graph_us([fn] * calls) / 1e3
 
 
 def probe():

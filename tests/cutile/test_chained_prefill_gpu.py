@@ -35,8 +35,9 @@ def sample(batch, tokens, groups, heads, state, head, dtype, with_init, seed=Non
     spec = Mamba2ProblemSpec(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
                              state_size=state, head_size=head, chunk_size=128, dtype=dtype, device="cuda", seed=seed)
     inputs = spec.get_sample_inputs(with_reference=True, with_backward=False)
-    if not with_init:
-        inputs = spec._references(dict(inputs, init_state=None))
+    if not with_init:  # the references again, from a zero state
+        inputs = dict(inputs, init_state=None)
+        inputs.update(spec._references(inputs))
     return spec, inputs
 
 

@@ -4,7 +4,8 @@
     fwd_pass_state  x, b, ...      -> entry_states (one per segment of chunks), final_state
     compute_out     x, b, c, d, ...-> out
 
-The layer op (scan_combined.py) runs the same stages with its options switched on.
+The layer op (scan_combined.py) runs the same stages with its options switched on. Short rows may
+run all three in one launch (chained_prefill.py), where the tuner timed that faster.
 """
 from dataclasses import dataclass
 

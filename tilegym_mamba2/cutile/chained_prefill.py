@@ -141,6 +141,8 @@ class Workspace:
     def for_shape(self, key, blocks, published_shape, sums_shape):
         views = self.views.get(key)
         if views is None:
+            if len(self.views) >= MAX_SHAPES:  # a server's many prompt lengths: keep the memo small
+                self.views.clear()
             views = self.views[key] = self._views(blocks, published_shape, sums_shape)
         return views
 
@@ -162,6 +164,7 @@ class Workspace:
         return self.flags, self.tickets, published, dt_bht, decay_cumsum
 
 
+MAX_SHAPES = 256  # call shapes whose views a workspace remembers
 _workspaces: dict = {}  # (device index, raw stream) -> Workspace
 
 
