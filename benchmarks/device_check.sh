@@ -33,6 +33,9 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh final79 1 GPU, ~5 minutes: experiment 79c: the trimmed chained path's GPU tests, then the prefill cases with TMA sums loads
+#   bash benchmarks/device_check.sh fix79 1 GPU, ~6 minutes: experiment 79b (the chained final state's race): variants stressed, the best applied here, GPU tests, timing
+#   bash benchmarks/device_check.sh host79 1 GPU, ~7 minutes: experiment 79 (the chained launch's arguments trimmed): its GPU tests, host and GPU time side by side, bench --only
 #   bash benchmarks/device_check.sh chained78 1 GPU, ~8 minutes: experiment 78 (the chained one-launch path in the package): its GPU tests, forward and graph tests, bench --only
 #   bash benchmarks/device_check.sh chained77 1 GPU, ~3 minutes: experiment 77 (the prefill in one launch, segments chained through memory) checked and timed
 #   bash benchmarks/device_check.sh pdl76 1 GPU, ~8 minutes: experiment 76 in the package: its threshold timed, serving and graph GPU tests, bench --serving
@@ -125,6 +128,50 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+final79)
+  # Experiment 79c (~5 minutes): every GPU test of the chained path with its launch trimmed (ordinary sums loads),
+  # then the prefill cases again with the sums loaded through TMA but the fence where experiment 78 had it.
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  timeout -s INT "${LIMIT_S:-150}" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
+  test_summaries "$out/gpu_chained.log"
+  sed -i 's/(1, 1, 1, chunk_size), allow_tma=False).reshape/(1, 1, 1, chunk_size)).reshape/' tilegym_mamba2/cutile/chained_prefill.py
+  grep -c "allow_tma=False" tilegym_mamba2/cutile/chained_prefill.py
+  timeout -s INT 90 python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -k "2048 or streams or settled" \
+    -p no:cacheprovider --tb=line -rfE > "$out/gpu_chained_tma_loads.log" 2>&1
+  test_summaries "$out/gpu_chained_tma_loads.log"
+  archive_logs
+  ;;
+fix79)
+  # Experiment 79b (~6 minutes): which TMA store makes the chained final state vary (variants/chained_race.py);
+  # the fastest variant without a mismatch replaces the package module here, then its GPU tests and timing.
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  timeout -s INT 200 python3 benchmarks/variants/chained_race.py --apply > "$out/chained_race79.log" 2>&1
+  echo "exit $?" >> "$out/chained_race79.log"
+  grep -vE "Warn|warn" "$out/chained_race79.log" | cut -c1-220
+  timeout -s INT "${LIMIT_S:-220}" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
+  test_summaries "$out/gpu_chained.log"
+  timeout -s INT 120 python3 benchmarks/variants/chained_host.py "(1,2048,1,32,128,64)" > "$out/chained_host79.log" 2>&1
+  grep -vE "Warn|warn" "$out/chained_host79.log" | cut -c1-220
+  archive_logs
+  ;;
+host79)
+  # Experiment 79 (~7 minutes): the chained path with 18 launch arguments (was 21): its GPU tests,
+  # then its host and GPU time next to the four-launch path and experiment 77's kernel in one
+  # process (variants/chained_host.py), then bench --only on a fresh tuning cache.
+  limit=${LIMIT_S:-300}
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
+    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
+  test_summaries "$out/gpu_chained.log"
+  timeout -s INT 170 python3 benchmarks/variants/chained_host.py > "$out/chained_host79.log" 2>&1
+  echo "exit $?" >> "$out/chained_host79.log"
+  grep -vE "Warn|warn" "$out/chained_host79.log" | cut -c1-220
+  timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+  grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200
+  archive_logs
+  ;;
 chained78)
   # Experiment 78, experiment 77's chain in the package (~8 minutes): the one-launch path's GPU
   # tests, the plain op's forward tests and the graph tests with a fresh tuning cache (short

@@ -181,7 +181,7 @@ def test_the_chained_path_is_one_launch_and_reuses_its_workspace():
     a, d, dt = -torch.rand(heads), torch.randn(heads), torch.rand(batch, tokens, heads)
     base = choose_config(batch, tokens, 1, heads, head_size, state_size, 128)
     _workspaces.clear()
-    specializations = set()
+    specializations, first_launch_args = set(), {}
     for per_segment in CHAINED_SEGMENTS:
         config = chained_config(base, per_segment)
         with recording_launches() as launches:
@@ -189,17 +189,21 @@ def test_the_chained_path_is_one_launch_and_reuses_its_workspace():
         assert [k._pyfunc.__name__ for k, _ in launches] == ["chained_prefill_kernel"]
         assert stages.out.shape == x.shape and stages.final_state.shape == (batch, heads, head_size, state_size)
         specializations.add(specialization(launches[0][1]))
-        kernel_args = launches[0][1]
-        flags, tickets = kernel_args[10], kernel_args[11]
-        assert flags.dtype == tickets.dtype == torch.int32 and not flags.any() and not tickets.any()
+        kernel_args = first_launch_args[per_segment] = launches[0][1]
+        sync, sums = kernel_args[11], kernel_args[10]
+        assert sync.dtype == torch.int32 and not sync.any()  # counter, fence word and flags all clear
         segments = -(-(-(-tokens // 128)) // per_segment)
-        assert flags.numel() >= segments * heads and kernel_args[15] == segments
+        assert sync.numel() >= 2 + segments * heads and kernel_args[12] == per_segment
+        assert sums.shape == (2, batch, heads, -(-tokens // 128) * 128) and sums.dtype == torch.float32
     assert len(specializations) == 1
     workspace = next(iter(_workspaces.values()))
-    views = dict(workspace.views)
+    plans = dict(workspace.shapes)
     with recording_launches() as launches:
         run_stages(x, a, b, b, d, dt, None, 128, chained_config(base, CHAINED_SEGMENTS[0]))
-    assert workspace.views.keys() == views.keys()  # a repeated shape makes no new view
+    assert workspace.shapes == plans
+    first = first_launch_args[CHAINED_SEGMENTS[0]]
+    # A repeated shape launches with the very views of its first call: nothing made again.
+    assert all(new is old for new, old in zip(launches[0][1][9:12], first[9:12]))
 
 
 def test_a_chained_call_being_captured_gets_a_workspace_of_its_own(monkeypatch):
@@ -217,13 +221,13 @@ def test_a_chained_call_being_captured_gets_a_workspace_of_its_own(monkeypatch):
     _workspaces.clear()
     with recording_launches() as launches:
         run_stages(x, a, b, b, d, dt, None, 128, config)
-    stream_flags = launches[0][1][10]
+    stream_sync = launches[0][1][11]
     monkeypatch.setattr(tuning.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tuning.torch.cuda, "is_current_stream_capturing", lambda: True)
     for _ in range(2):
         with recording_launches() as launches:
             run_stages(x, a, b, b, d, dt, None, 128, config)
         assert [k._pyfunc.__name__ for k, _ in launches] == ["chained_prefill_kernel"]
-        flags, tickets = launches[0][1][10], launches[0][1][11]
-        assert flags.data_ptr() != stream_flags.data_ptr() and not flags.any() and not tickets.any()
+        sync = launches[0][1][11]
+        assert sync.data_ptr() != stream_sync.data_ptr() and not sync.any()
     assert len(_workspaces) == 1

@@ -1,4 +1,4 @@
-"""cutile/launch.py on the CPU: what ct.launch is handed."""
+"""cutile/launch.py on the CPU: what cuTile's launch is handed."""
 import pytest
 import torch
 
@@ -10,7 +10,7 @@ from tilegym_mamba2.cutile import launch  # noqa: E402
 def test_launch_passes_the_raw_handle_of_the_arguments_device_stream(monkeypatch):
     """The raw int handle (no Stream object per launch), asked for the first argument's device."""
     calls = []
-    monkeypatch.setattr(launch.ct, "launch", lambda *a: calls.append(a))
+    monkeypatch.setattr(launch, "_cutile_launch", lambda *a: calls.append(a))
     monkeypatch.setattr(launch, "_raw_stream", lambda index: ("raw", index))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: pytest.fail("a Stream object was built"))
     x = torch.zeros(4)
@@ -20,7 +20,7 @@ def test_launch_passes_the_raw_handle_of_the_arguments_device_stream(monkeypatch
 
 def test_launch_falls_back_to_the_stream_object_without_the_raw_query(monkeypatch):
     calls = []
-    monkeypatch.setattr(launch.ct, "launch", lambda *a: calls.append(a))
+    monkeypatch.setattr(launch, "_cutile_launch", lambda *a: calls.append(a))
     monkeypatch.setattr(launch, "_raw_stream", None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: ("stream", index))
     launch.launch((1,), "kernel", (torch.zeros(1),))
@@ -28,7 +28,7 @@ def test_launch_falls_back_to_the_stream_object_without_the_raw_query(monkeypatc
 
 
 def test_recording_runs_nothing(monkeypatch):
-    monkeypatch.setattr(launch.ct, "launch", lambda *a: pytest.fail("launched while recording"))
+    monkeypatch.setattr(launch, "_cutile_launch", lambda *a: pytest.fail("launched while recording"))
     with launch.recording_launches() as launches:
         launch.launch((1,), "kernel", [1, 2])
     assert launches == [("kernel", (1, 2))]

@@ -33,17 +33,19 @@ CHUNK = 128  # the chunk length the chained kernel runs (64 measured slower here
 
 
 @ct.kernel(occupancy=2)
-def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, published, flags, tickets, dt_bht,
-                           decay_cumsum, chunks_per_segment, segments, chunk_size: ct.Constant[int],
-                           head_tile: ct.Constant[int], state_size: ct.Constant[int], has_init: ct.Constant[bool],
-                           tf32: ct.Constant[bool]):
+def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, published, sums, sync,
+                           chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
+                           state_size: ct.Constant[int], has_init: ct.Constant[bool], tf32: ct.Constant[bool]):
+    # Few arguments: each costs host time at every launch (NOTES.md, experiment 79). sums holds dt
+    # and the decay sums ([2, batch, heads, padded tokens]); sync the ticket counter, a word the
+    # fence touches, then one flag per block.
     mma_dtype = ct.tfloat32 if tf32 else x.dtype
     heads = x.shape[2]
     p_tiles = x.shape[3] // head_tile
     lanes = x.shape[0] * heads * p_tiles
-    ticket = ct.atomic_add(tickets, 0, 1)
-    if ticket == lanes * segments - 1:
-        ct.atomic_xchg(tickets, 0, 0)  # every ticket is taken: the counter is ready for the next launch
+    ticket = ct.atomic_add(sync, 0, 1)
+    if ticket == ct.num_blocks(0) - 1:
+        ct.atomic_xchg(sync, 0, 0)  # every ticket is taken: the counter is ready for the next launch
     segment, lane = ticket // lanes, ticket % lanes
     batch_head, p_tile = lane // p_tiles, lane % p_tiles
     batch, head = batch_head // heads, batch_head % heads
@@ -67,8 +69,8 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
         g = ct.cumsum(dt_tile * a_head, axis=0) * LOG2E
         # Kept for step 3 (recomputing them there measured 25 us slower). The head's other tiles
         # store the same values to the same place.
-        ct.store(dt_bht, (batch, head, chunk), dt_tile.reshape((1, 1, chunk_size)))
-        ct.store(decay_cumsum, (batch, head, chunk), g.reshape((1, 1, chunk_size)))
+        ct.store(sums, (0, batch, head, chunk), dt_tile.reshape((1, 1, 1, chunk_size)))
+        ct.store(sums, (1, batch, head, chunk), g.reshape((1, 1, 1, chunk_size)))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         weighted_b = (b_tile.astype(ct.float32) * (dt_tile * ct.exp2(g_last - g))[:, None]).astype(mma_dtype)
         own = ct.mma(ct.transpose(x_tile.astype(mma_dtype)), weighted_b, own * ct.exp2(g_last))
@@ -82,21 +84,21 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
         else:
             entry = ct.zeros((head_tile, state_size), dtype=ct.float32)
     else:
-        flag = (segment - 1) * lanes + lane
-        seen = ct.atomic_cas(flags, flag, 1, 0, memory_order=ct.MemoryOrder.ACQUIRE)
+        flag = FIRST_FLAG + (segment - 1) * lanes + lane
+        seen = ct.atomic_cas(sync, flag, 1, 0, memory_order=ct.MemoryOrder.ACQUIRE)
         while seen != 1:
-            seen = ct.atomic_cas(flags, flag, 1, 0, memory_order=ct.MemoryOrder.ACQUIRE)
+            seen = ct.atomic_cas(sync, flag, 1, 0, memory_order=ct.MemoryOrder.ACQUIRE)
         entry = ct.load(published, (segment - 1, batch_head, p_tile, 0), (1, 1, head_tile, state_size),
                         allow_tma=False).reshape((head_tile, state_size))
     leaving = entry * ct.exp2(segment_decay) + own
     if last < num_chunks:
         ct.store(published, (segment, batch_head, p_tile, 0), leaving.reshape((1, 1, head_tile, state_size)),
                  allow_tma=False)
-        ct.atomic_xchg(flags, segment * lanes + lane, 1, memory_order=ct.MemoryOrder.RELEASE)
+        ct.atomic_xchg(sync, FIRST_FLAG + segment * lanes + lane, 1, memory_order=ct.MemoryOrder.RELEASE)
     else:
         ct.store(final_state, (batch, head, p_tile, 0), leaving.reshape((1, 1, head_tile, state_size)))
     # Orders this block's stores of the sums before its own loads of them in step 3.
-    ct.atomic_add(tickets, 1, 0, memory_order=ct.MemoryOrder.ACQ_REL, memory_scope=ct.MemoryScope.BLOCK)
+    ct.atomic_add(sync, 1, 0, memory_order=ct.MemoryOrder.ACQ_REL, memory_scope=ct.MemoryScope.BLOCK)
 
     # 3. The outputs, as compute_out computes them, from the entry state.
     state = entry
@@ -111,8 +113,9 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
                          padding_mode=zero).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=zero).reshape((chunk_size, state_size))
-        dt_tile = ct.load(dt_bht, (batch, head, chunk), (1, 1, chunk_size), allow_tma=False).reshape((chunk_size,))
-        g = ct.load(decay_cumsum, (batch, head, chunk), (1, 1, chunk_size), allow_tma=False).reshape((chunk_size,))
+        dt_tile = ct.load(sums, (0, batch, head, chunk), (1, 1, 1, chunk_size), allow_tma=False).reshape(
+            (chunk_size,))
+        g = ct.load(sums, (1, batch, head, chunk), (1, 1, 1, chunk_size), allow_tma=False).reshape((chunk_size,))
         g_last = ct.extract(g, (chunk_size - 1,), (1,))
         c_b = ct.mma(c_tile.astype(mma_dtype), ct.transpose(b_tile.astype(mma_dtype)),
                      ct.zeros((chunk_size, chunk_size), dtype=ct.float32))
@@ -129,28 +132,37 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
 
 
 class Workspace:
-    """One stream's buffers, grown as calls need and never shrunk, and their views per call shape
-    (so a repeated call makes no view): the flags (zero between launches), the ticket counter and a
-    word the fence touches, the published states and the staged decay sums."""
+    """One stream's buffers, grown as calls need and never shrunk, and what a call shape launches
+    with (so a repeated call computes and makes nothing): its grid and views of the sync words
+    (ticket counter and fence word, zero between launches, then the flags, also zero between
+    launches), the published states and the staged sums."""
 
     def __init__(self, device):
         self.device = device
-        self.flags = self.tickets = self.published = self.sums = None
-        self.views = {}
+        self.sync = self.published = self.sums = None
+        self.shapes = {}
 
-    def for_shape(self, key, blocks, published_shape, sums_shape):
-        views = self.views.get(key)
-        if views is None:
-            if len(self.views) >= MAX_SHAPES:  # a server's many prompt lengths: keep the memo small
-                self.views.clear()
-            views = self.views[key] = self._views(blocks, published_shape, sums_shape)
-        return views
+    def for_shape(self, x_shape, state_size, chunk, per_segment, head_tile):
+        key = (x_shape, state_size, chunk, per_segment, head_tile)
+        found = self.shapes.get(key)
+        if found is None:
+            if len(self.shapes) >= MAX_SHAPES:  # a server's many prompt lengths: keep the memo small
+                self.shapes.clear()
+            found = self.shapes[key] = self._launch_plan(*key)
+        return found
 
-    def _views(self, blocks, published_shape, sums_shape):
+    def _launch_plan(self, x_shape, state_size, chunk, per_segment, head_tile):
+        batch, tokens, heads, head_size = x_shape
+        num_chunks = -(-tokens // chunk)
+        segments = -(-num_chunks // per_segment)
+        blocks = segments * batch * heads * (head_size // head_tile)
+        # A slot for every segment (the last never publishes): a published tensor of one segment
+        # would be specialized apart from the others (a dimension of 1).
+        published_shape = (segments, batch * heads, head_size, state_size)
+        sums_shape = (2, batch, heads, num_chunks * chunk)
         grown = False
-        if self.flags is None or self.flags.numel() < blocks:
-            self.flags = torch.zeros(blocks, dtype=torch.int32, device=self.device)
-            self.tickets = torch.zeros(2, dtype=torch.int32, device=self.device)
+        if self.sync is None or self.sync.numel() < FIRST_FLAG + blocks:
+            self.sync = torch.zeros(FIRST_FLAG + blocks, dtype=torch.int32, device=self.device)
             grown = True
         for name, shape in (("published", published_shape), ("sums", sums_shape)):
             buffer = getattr(self, name)
@@ -158,42 +170,35 @@ class Workspace:
                 setattr(self, name, torch.empty(math.prod(shape), dtype=torch.float32, device=self.device))
                 grown = True
         if grown:
-            self.views.clear()  # the old buffers go once no view holds them
-        published = self.published[:math.prod(published_shape)].view(published_shape)
-        dt_bht, decay_cumsum = self.sums[:math.prod(sums_shape)].view(sums_shape).unbind(0)
-        return self.flags, self.tickets, published, dt_bht, decay_cumsum
+            self.shapes.clear()  # the old buffers go once no view holds them
+        return ((blocks, 1, 1), self.sync, self.published[:math.prod(published_shape)].view(published_shape),
+                self.sums[:math.prod(sums_shape)].view(sums_shape))
 
 
-MAX_SHAPES = 256  # call shapes whose views a workspace remembers
+FIRST_FLAG = 2  # sync[0] is the ticket counter, sync[1] the fence's word
+MAX_SHAPES = 256  # call shapes whose launch plans a workspace remembers
 _workspaces: dict = {}  # (device index, raw stream) -> Workspace
 
 
 def chained_prefill(x, a, b, c, d, dt, init_state, config):
     """Checked plain-op arguments (d per head) -> (out, final_state), in one launch."""
-    batch, tokens, heads, head_size = x.shape
+    batch, tokens, heads, head_size = shape = x.shape
     state_size = b.shape[3]
-    chunk, per_segment, head_tile = config.chunk_size, config.chunks_per_segment, config.out_head_tile
-    num_chunks = -(-tokens // chunk)
-    segments = -(-num_chunks // per_segment)
-    lanes = batch * heads * (head_size // head_tile)
     device = x.get_device()
-    stream = current_stream(device) if x.is_cuda else None  # None: launches recorded on CPU (aot.py)
+    stream = current_stream(device) if device >= 0 else None  # None: launches recorded on CPU (aot.py)
     if capturing():
         workspace = Workspace(x.device)
     else:
         workspace = _workspaces.get((device, stream))
         if workspace is None:
             workspace = _workspaces[(device, stream)] = Workspace(x.device)
-    flags, tickets, published, dt_bht, decay_cumsum = workspace.for_shape(
-        (batch, tokens, heads, head_size, state_size, chunk, per_segment, head_tile), segments * lanes,
-        # A slot for every segment (the last never publishes): a published tensor of one segment
-        # would be specialized apart from the others (a dimension of 1).
-        (segments, batch * heads, head_size, state_size), (2, batch, heads, num_chunks * chunk))
+    grid, sync, published, sums = workspace.for_shape(shape, state_size, config.chunk_size,
+                                                      config.chunks_per_segment, config.out_head_tile)
     out = new_output(batch, tokens, heads, head_size, dtype=x.dtype, device=x.device)
     final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
     # Without an initial state the kernel never reads the argument; final_state stands in.
-    launch((segments * lanes, 1, 1), chained_prefill_kernel,
+    launch(grid, chained_prefill_kernel,
            (x, b, c, d, dt, a, final_state if init_state is None else init_state, out, final_state, published,
-            flags, tickets, dt_bht, decay_cumsum, per_segment, segments, chunk, head_tile, state_size,
+            sums, sync, config.chunks_per_segment, config.chunk_size, config.out_head_tile, state_size,
             init_state is not None, tf32_mma(x.dtype)))
     return out, final_state

@@ -7,7 +7,6 @@ kernel forgot to write cannot pass.
 import contextlib
 import functools
 
-import cuda.tile as ct
 from cuda.tile._cext import launch as _cutile_launch
 import torch
 
@@ -22,11 +21,12 @@ def launch(grid, kernel, args, *, dependent=False):
         _recording.append((kernel, tuple(args)))
         return
     device = args[0].get_device()
+    # cuTile's own launch: importing tilegym replaces ct.launch with a Python wrapper (its
+    # experimental-kernel warnings, ~0.3 us a call) that takes no keywords.
     if dependent and _dependent_launches(device):
-        # cuTile's own launch: importing tilegym replaces ct.launch with a wrapper without keywords.
         _cutile_launch(current_stream(device), grid, kernel, tuple(args), programmatic_dependent_launch=True)
     else:
-        ct.launch(current_stream(device), grid, kernel, tuple(args))
+        _cutile_launch(current_stream(device), grid, kernel, tuple(args))
 
 
 @functools.cache
