@@ -113,6 +113,9 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
                          padding_mode=zero).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=zero).reshape((chunk_size, state_size))
+        # Ordinary loads, not TMA: through TMA this kernel took 0.046 ms at the prefill instead of
+        # 0.076, but its final state then differed between repeated calls of the same inputs
+        # (NOTES.md, experiment 79; cause not found).
         dt_tile = ct.load(sums, (0, batch, head, chunk), (1, 1, 1, chunk_size), allow_tma=False).reshape(
             (chunk_size,))
         g = ct.load(sums, (1, batch, head, chunk), (1, 1, 1, chunk_size), allow_tma=False).reshape((chunk_size,))
