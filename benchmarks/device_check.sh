@@ -124,6 +124,12 @@ prefill_and_bench() {  # experiment 73's prefill against the launch floor, then 
   timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
   grep -E "^\(" "$out/bench.log"
 }
+chained_tests() {  # chained_tests LIMIT LOG [pytest args]: the chained path's GPU tests to LOG, stopped at LIMIT s
+  local limit=$1 log=$2; shift 2
+  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
+    --tb=short -rfE "$@" > "$out/$log" 2>&1
+  test_summaries "$out/$log"
+}
 archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
@@ -132,14 +138,10 @@ final79)
   # Experiment 79c (~5 minutes): every GPU test of the chained path with its launch trimmed (ordinary sums loads),
   # then the prefill cases again with the sums loaded through TMA but the fence where experiment 78 had it.
   export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
-  timeout -s INT "${LIMIT_S:-150}" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
-    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
-  test_summaries "$out/gpu_chained.log"
+  chained_tests "${LIMIT_S:-150}" gpu_chained.log
   sed -i 's/(1, 1, 1, chunk_size), allow_tma=False).reshape/(1, 1, 1, chunk_size)).reshape/' tilegym_mamba2/cutile/chained_prefill.py
   grep -c "allow_tma=False" tilegym_mamba2/cutile/chained_prefill.py
-  timeout -s INT 90 python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -k "2048 or streams or settled" \
-    -p no:cacheprovider --tb=line -rfE > "$out/gpu_chained_tma_loads.log" 2>&1
-  test_summaries "$out/gpu_chained_tma_loads.log"
+  chained_tests 90 gpu_chained_tma_loads.log -k "2048 or streams or settled"
   archive_logs
   ;;
 fix79)
@@ -149,9 +151,7 @@ fix79)
   timeout -s INT 200 python3 benchmarks/variants/chained_race.py --apply > "$out/chained_race79.log" 2>&1
   echo "exit $?" >> "$out/chained_race79.log"
   grep -vE "Warn|warn" "$out/chained_race79.log" | cut -c1-220
-  timeout -s INT "${LIMIT_S:-220}" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
-    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
-  test_summaries "$out/gpu_chained.log"
+  chained_tests "${LIMIT_S:-220}" gpu_chained.log
   timeout -s INT 120 python3 benchmarks/variants/chained_host.py "(1,2048,1,32,128,64)" > "$out/chained_host79.log" 2>&1
   grep -vE "Warn|warn" "$out/chained_host79.log" | cut -c1-220
   archive_logs
@@ -162,9 +162,7 @@ host79)
   # process (variants/chained_host.py), then bench --only on a fresh tuning cache.
   limit=${LIMIT_S:-300}
   export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
-  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
-    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
-  test_summaries "$out/gpu_chained.log"
+  chained_tests "$limit" gpu_chained.log
   timeout -s INT 170 python3 benchmarks/variants/chained_host.py > "$out/chained_host79.log" 2>&1
   echo "exit $?" >> "$out/chained_host79.log"
   grep -vE "Warn|warn" "$out/chained_host79.log" | cut -c1-220
@@ -178,9 +176,7 @@ chained78)
   # 16-bit rows may now pick it), then bench --only.
   limit=${LIMIT_S:-170}
   export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
-  timeout -s INT "$limit" python3 -m pytest -q -m gpu tests/cutile/test_chained_prefill_gpu.py -p no:cacheprovider \
-    --tb=short -rfE > "$out/gpu_chained.log" 2>&1
-  test_summaries "$out/gpu_chained.log"
+  chained_tests "$limit" gpu_chained.log
   timeout -s INT 200 python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py tests/cutile/test_cutile_graph_gpu.py \
     -k "forward_matches_reference or graph" -p no:cacheprovider --tb=short -rfE > "$out/gpu_forward.log" 2>&1
   test_summaries "$out/gpu_forward.log"
