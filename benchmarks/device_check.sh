@@ -33,7 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
-#   bash benchmarks/device_check.sh race80 1 GPU, ~6 minutes: where the TMA-loaded sums' final state varies (chained_race.py --diagnose), the chained GPU tests not yet run on the trimmed kernel
+#   bash benchmarks/device_check.sh race80 1 GPU, ~8 minutes: where the TMA-loaded sums' final state varies (chained_race.py --diagnose), the chained GPU tests not yet run on the trimmed kernel, chained_loads.py --time
 #   bash benchmarks/device_check.sh final79 1 GPU, ~5 minutes: experiment 79c: the trimmed chained path's GPU tests, then the prefill cases with TMA sums loads
 #   bash benchmarks/device_check.sh fix79 1 GPU, ~6 minutes: experiment 79b (the chained final state's race): variants stressed, the best applied here, GPU tests, timing
 #   bash benchmarks/device_check.sh host79 1 GPU, ~7 minutes: experiment 79 (the chained launch's arguments trimmed): its GPU tests, host and GPU time side by side, bench --only
@@ -143,6 +143,8 @@ race80)
   echo "exit $?" >> "$out/chained_race80.log"
   grep -vE "Warn|warn" "$out/chained_race80.log" | cut -c1-260
   chained_tests "${LIMIT_S:-200}" gpu_chained.log -k "4095 or 1-1-1 or 300 or streams or settled"
+  timeout -s INT 150 python3 benchmarks/variants/chained_loads.py --time > "$out/chained_loads80.log" 2>&1
+  grep -vE "Warn|warn" "$out/chained_loads80.log" | cut -c1-220
   archive_logs
   ;;
 final79)
