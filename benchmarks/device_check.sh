@@ -33,6 +33,8 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh race82 1 GPU, ~5 minutes: experiment 81b: the TMA form's published states per segment, two rearrangements
+#   bash benchmarks/device_check.sh race81 1 GPU, ~4 minutes: experiment 81: the TMA-loaded sums' final state called as the GPU tests call it
 #   bash benchmarks/device_check.sh race80 1 GPU, ~8 minutes: where the TMA-loaded sums' final state varies (chained_race.py --diagnose), the chained GPU tests not yet run on the trimmed kernel, chained_loads.py --time
 #   bash benchmarks/device_check.sh final79 1 GPU, ~5 minutes: experiment 79c: the trimmed chained path's GPU tests, then the prefill cases with TMA sums loads
 #   bash benchmarks/device_check.sh fix79 1 GPU, ~6 minutes: experiment 79b (the chained final state's race): variants stressed, the best applied here, GPU tests, timing
@@ -135,6 +137,24 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+race82)
+  # Experiment 81b (~5 minutes): where the TMA form's final state varies along the chain (published
+  # states per segment), and two rearrangements (final state stored last; one paired sums load).
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  TRIALS=${TRIALS:-20} timeout -s INT 400 python3 benchmarks/variants/chained_race.py --diagnose > "$out/chained_race82.log" 2>&1
+  echo "exit $?" >> "$out/chained_race82.log"
+  grep -vE "Warn|warn" "$out/chained_race82.log" | cut -c1-260 | grep -E "^##|exit|Error|call 0" | tail -40
+  archive_logs
+  ;;
+race81)
+  # Experiment 81 (~4 minutes): the TMA-loaded sums' final state, called as the GPU tests call it
+  # (variants/chained_race.py --diagnose: fresh inputs per trial, poisoned outputs, against ordinary loads).
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  TRIALS=${TRIALS:-24} timeout -s INT 300 python3 benchmarks/variants/chained_race.py --diagnose > "$out/chained_race81.log" 2>&1
+  echo "exit $?" >> "$out/chained_race81.log"
+  grep -vE "Warn|warn" "$out/chained_race81.log" | cut -c1-300 | tail -60
+  archive_logs
+  ;;
 race80)
   # The next session's first call (~3 minutes): where the TMA-loaded sums' final state varies
   # (variants/chained_race.py --diagnose, outputs poisoned), then the rest of the chained GPU tests.
