@@ -33,6 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
+#   bash benchmarks/device_check.sh race83 1 GPU, ~8 minutes: experiment 81c: dt gathered with TMA sums loads; if its bits hold, GPU tests and bench --only with it
 #   bash benchmarks/device_check.sh race82 1 GPU, ~5 minutes: experiment 81b: the TMA form's published states per segment, two rearrangements
 #   bash benchmarks/device_check.sh race81 1 GPU, ~4 minutes: experiment 81: the TMA-loaded sums' final state called as the GPU tests call it
 #   bash benchmarks/device_check.sh race80 1 GPU, ~8 minutes: where the TMA-loaded sums' final state varies (chained_race.py --diagnose), the chained GPU tests not yet run on the trimmed kernel, chained_loads.py --time
@@ -137,6 +138,22 @@ archive_logs() {  # one file back: the device tool brings back at most 8
   tar -C "$out" -czf /tmp/logs.tgz . && find "$out" -name "*.log" -delete && mv /tmp/logs.tgz "$out/"
 }
 case "${1:-tests}" in
+race83)
+  # Experiment 81c (~8 minutes): step 1's dt column gathered (no asynchronous copy) with the sums
+  # loaded through TMA: bits against the ordinary form as the GPU tests call it; where no repeat differs,
+  # the form replaces the package module here, then every chained GPU test and bench --only.
+  export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
+  VARIANTS=${VARIANTS:-dtg_tma} TRIALS=${TRIALS:-20} timeout -s INT 200 python3 benchmarks/variants/chained_race.py --diagnose > "$out/chained_race83.log" 2>&1
+  echo "exit $?" >> "$out/chained_race83.log"
+  grep -vE "Warn|warn" "$out/chained_race83.log" | cut -c1-260 | grep -E "^##|exit|Error|call 0" | tail -30
+  if grep -q "repeats differing from the trial's first call 0;" "$out/chained_race83.log"; then
+    python3 benchmarks/variants/chained_race.py --write dtg_tma 2>&1 | grep -v -i warn
+    chained_tests "${LIMIT_S:-200}" gpu_chained.log
+    timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+    grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200
+  fi
+  archive_logs
+  ;;
 race82)
   # Experiment 81b (~5 minutes): where the TMA form's final state varies along the chain (published
   # states per segment), and two rearrangements (final state stored last; one paired sums load).
