@@ -33,7 +33,7 @@
 #   bash benchmarks/device_check.sh nineteenth 1 GPU, ~6 minutes: state71, experiment 73 (prefill launches, host floor), autograd_host
 #   bash benchmarks/device_check.sh serving71 1 GPU, ~7 minutes: experiments 71 and 73 in the package: serving GPU tests, bench --serving, the prefill, bench --only
 #   bash benchmarks/device_check.sh third19 1 GPU, ~9 minutes: forward70, then the tuner's rounds: tuning GPU tests, the prefill, bench --only
-#   bash benchmarks/device_check.sh race83 1 GPU, ~8 minutes: experiment 81c: dt gathered with TMA sums loads; if its bits hold, GPU tests and bench --only with it
+#   VARIANT=msum_tma bash benchmarks/device_check.sh race83 1 GPU, ~8 minutes: experiment 81c/d: a TMA-loaded form (dtg_tma, msum_tma); if its bits hold, GPU tests and bench --only with it
 #   bash benchmarks/device_check.sh race82 1 GPU, ~5 minutes: experiment 81b: the TMA form's published states per segment, two rearrangements
 #   bash benchmarks/device_check.sh race81 1 GPU, ~4 minutes: experiment 81: the TMA-loaded sums' final state called as the GPU tests call it
 #   bash benchmarks/device_check.sh race80 1 GPU, ~8 minutes: where the TMA-loaded sums' final state varies (chained_race.py --diagnose), the chained GPU tests not yet run on the trimmed kernel, chained_loads.py --time
@@ -139,15 +139,17 @@ archive_logs() {  # one file back: the device tool brings back at most 8
 }
 case "${1:-tests}" in
 race83)
-  # Experiment 81c (~8 minutes): step 1's dt column gathered (no asynchronous copy) with the sums
-  # loaded through TMA: bits against the ordinary form as the GPU tests call it; where no repeat differs,
-  # the form replaces the package module here, then every chained GPU test and bench --only.
+  # Experiment 81c/d (~8 minutes): a form of the TMA-loaded chained kernel (VARIANT: dtg_tma, step 1's
+  # dt gathered; msum_tma, step 1's decay sums as masked row sums) checked as the GPU tests call it;
+  # where no repeat differs, it replaces the package module here, then every chained GPU test and
+  # bench --only.
   export TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d)
-  VARIANTS=${VARIANTS:-dtg_tma} TRIALS=${TRIALS:-20} timeout -s INT 200 python3 benchmarks/variants/chained_race.py --diagnose > "$out/chained_race83.log" 2>&1
-  echo "exit $?" >> "$out/chained_race83.log"
-  grep -vE "Warn|warn" "$out/chained_race83.log" | cut -c1-260 | grep -E "^##|exit|Error|call 0" | tail -30
-  if grep -q "repeats differing from the trial's first call 0;" "$out/chained_race83.log"; then
-    python3 benchmarks/variants/chained_race.py --write dtg_tma 2>&1 | grep -v -i warn
+  variant=${VARIANT:-dtg_tma}
+  VARIANTS=$variant TRIALS=${TRIALS:-20} timeout -s INT 200 python3 benchmarks/variants/chained_race.py --diagnose > "$out/chained_race_$variant.log" 2>&1
+  echo "exit $?" >> "$out/chained_race_$variant.log"
+  grep -vE "Warn|warn" "$out/chained_race_$variant.log" | cut -c1-260 | grep -E "^##|exit|Error|call 0" | tail -30
+  if grep -q "repeats differing from the trial's first call 0;" "$out/chained_race_$variant.log"; then
+    python3 benchmarks/variants/chained_race.py --write "$variant" 2>&1 | grep -v -i warn
     chained_tests "${LIMIT_S:-200}" gpu_chained.log
     timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
     grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200

@@ -78,8 +78,15 @@ def variant_sources(source: str) -> dict:
     # of the tile load the compiler turns into an asynchronous copy (LDGSTS) through shared memory.
     gathered = edit(tma, DT_LOAD, "        dt_tile = ct.gather(dt, (batch, chunk * chunk_size + ct.arange(chunk_size, "
                                   "dtype=ct.int32), head)).astype(\n            ct.float32)\n")
+    # Experiment 81d: step 1's decay sums as masked row sums (fixed-order butterflies) instead of
+    # ct.cumsum, whose cross-warp scan the warp-specialized schedule may associate differently.
+    masked = edit(tma, "        g = ct.cumsum(dt_tile * a_head, axis=0) * LOG2E\n",
+                  "        steps = dt_tile * a_head\n"
+                  "        lower = ct.arange(chunk_size, dtype=ct.int32)[:, None] >= ct.arange(chunk_size, "
+                  "dtype=ct.int32)[None, :]\n"
+                  "        g = ct.sum(ct.where(lower, steps[None, :], 0.0), axis=1) * LOG2E\n")
     return {"tma": tma, "final": final, "final+sums": final_sums, "late_final": late, "pair_tma": pair,
-            "dtg_tma": gathered, "loads": source}
+            "dtg_tma": gathered, "msum_tma": masked, "loads": source}
 
 
 def load_variant(name: str, source: str):
