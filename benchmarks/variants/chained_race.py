@@ -85,8 +85,18 @@ def variant_sources(source: str) -> dict:
                   "        lower = ct.arange(chunk_size, dtype=ct.int32)[:, None] >= ct.arange(chunk_size, "
                   "dtype=ct.int32)[None, :]\n"
                   "        g = ct.sum(ct.where(lower, steps[None, :], 0.0), axis=1) * LOG2E\n")
+    # The same in two levels: prefixes within 16-token parts, then over the parts' totals.
+    parts = edit(tma, "        g = ct.cumsum(dt_tile * a_head, axis=0) * LOG2E\n",
+                 "        steps = (dt_tile * a_head).reshape((chunk_size // 16, 16))\n"
+                 "        pos = ct.arange(16, dtype=ct.int32)\n"
+                 "        part = ct.arange(chunk_size // 16, dtype=ct.int32)\n"
+                 "        within = ct.sum(ct.where((pos[:, None] >= pos[None, :])[None, :, :], steps[:, None, :], 0.0), "
+                 "axis=2)\n"
+                 "        before = ct.sum(ct.where(part[:, None] > part[None, :], ct.sum(steps, axis=1)[None, :], 0.0), "
+                 "axis=1)\n"
+                 "        g = ((within + before[:, None]) * LOG2E).reshape((chunk_size,))\n")
     return {"tma": tma, "final": final, "final+sums": final_sums, "late_final": late, "pair_tma": pair,
-            "dtg_tma": gathered, "msum_tma": masked, "loads": source}
+            "dtg_tma": gathered, "msum_tma": masked, "hsum_tma": parts, "loads": source}
 
 
 def load_variant(name: str, source: str):
