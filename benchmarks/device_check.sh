@@ -125,8 +125,11 @@ decode_variants() {  # decode_variants NAME SCRIPT SECONDS: a decode-step varian
 prefill_and_bench() {  # experiment 73's prefill against the launch floor, then bench --only (its rows)
   timeout 100 python3 benchmarks/variants/prefill_launches.py > "$out/prefill_launches.log" 2>&1
   grep -vE "Warn|warn" "$out/prefill_launches.log" | cut -c1-220
-  timeout 120 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
-  grep -E "^\(" "$out/bench.log"
+  bench_only
+}
+bench_only() {  # bench --only on this process's tuning cache: its rows and the tuner's choices
+  timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
+  grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200
 }
 chained_tests() {  # chained_tests LIMIT LOG [pytest args]: the chained path's GPU tests to LOG, stopped at LIMIT s
   local limit=$1 log=$2; shift 2
@@ -151,8 +154,7 @@ race83)
   if grep -q "repeats differing from the trial's first call 0;" "$out/chained_race_$variant.log"; then
     python3 benchmarks/variants/chained_race.py --write "$variant" 2>&1 | grep -v -i warn
     chained_tests "${LIMIT_S:-200}" gpu_chained.log
-    timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
-    grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200
+    bench_only
   fi
   archive_logs
   ;;
@@ -218,8 +220,7 @@ host79)
   timeout -s INT 170 python3 benchmarks/variants/chained_host.py > "$out/chained_host79.log" 2>&1
   echo "exit $?" >> "$out/chained_host79.log"
   grep -vE "Warn|warn" "$out/chained_host79.log" | cut -c1-220
-  timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
-  grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200
+  bench_only
   archive_logs
   ;;
 chained78)
@@ -232,8 +233,7 @@ chained78)
   timeout -s INT 200 python3 -m pytest -q -m gpu tests/cutile/test_cutile_gpu.py tests/cutile/test_cutile_graph_gpu.py \
     -k "forward_matches_reference or graph" -p no:cacheprovider --tb=short -rfE > "$out/gpu_forward.log" 2>&1
   test_summaries "$out/gpu_forward.log"
-  timeout 130 python3 -m tilegym_mamba2 bench --only --json "$out/bench.json" > "$out/bench.log" 2>&1
-  grep -E "^\(|tuning|->" "$out/bench.log" | cut -c1-200
+  bench_only
   archive_logs
   ;;
 chained77)
