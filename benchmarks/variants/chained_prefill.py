@@ -2,7 +2,9 @@
 launch, its segments chained through memory. The package's kernel (experiment 78) is
 tilegym_mamba2/cutile/chained_prefill.py, the "staged" chain of this script except that it loads
 the staged sums without TMA: this script's TMA loads are faster (0.047 against 0.076 ms) but made
-the package's final state vary between repeated calls (experiment 79). The script keeps the
+the package's final state vary between repeated calls (experiment 79; experiment 81 traced it
+to the last bit of the compiled TMA form's own-state phase, so these loads likely vary here
+too). The script keeps the
 switches its probes timed (where the decay sums come from, the parts, the look-back, 64-token
 chunks, load hints).
 
