@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
+from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
 
 HEADS, HEAD_SIZE, STATE, GROUPS = 8, 64, 128, 2
 DTYPE = torch.bfloat16

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.backward import layer_backward, pytorch_kernels
-from tilegym_mamba2.layer_reference import layer_token_recurrence
-from tilegym_mamba2.reference import token_recurrence
-from tilegym_mamba2.validation import ScanCombinedArgs
+from tilegym_mamba2.backends.pytorch import pytorch_kernels
+from tilegym_mamba2.backward import layer_backward
+from tilegym_mamba2.reference.layer import layer_token_recurrence
+from tilegym_mamba2.reference.ssd import token_recurrence
+from tilegym_mamba2.core.validation import ScanCombinedArgs
 
 F64 = torch.float64
 INF = float("inf")
@@ -106,7 +107,7 @@ def test_chunk_grads_reference_is_the_token_by_token_gradient(seq, tokens):
     token-by-token states h_t and state gradients dh_t, sequences included: dxs_t = dh_t b_t,
     dc_t = h_t^T dy_t, db_t = w_t dh_t^T x_t (summed over a group's heads), ddt_input = x . dxs
     and dl_u = <dh_u, exp(l_u) h_{u-1}>."""
-    from tilegym_mamba2.scan_reference import chunk_grads_reference
+    from tilegym_mamba2.reference.scan import chunk_grads_reference
     g = torch.Generator().manual_seed(tokens)
     batch, groups, heads, state, head, L = 1, 2, 4, 5, 3, 8
     def randn(*shape):
@@ -296,7 +297,7 @@ def test_backward_registered_with_tilegym():
     import tilegym
     from tilegym.backend import dispatcher
     slots = dispatcher._REGISTRY["mamba2_chunk_backward"]
-    assert getattr(slots["cutile"], "target", "") == "tilegym_mamba2.cutile.backward:mamba2_chunk_backward"
+    assert getattr(slots["cutile"], "target", "") == "tilegym_mamba2.backends.cutile:mamba2_chunk_backward"
     x, a, b, c, d, dt, init = plain_inputs(tokens=20)
     grads = tilegym.ops.mamba2_chunk_backward(x, a, b, c, d, dt, init, torch.ones(x.shape), torch.ones(init.shape),
                                               16, backend="pytorch")
@@ -305,10 +306,10 @@ def test_backward_registered_with_tilegym():
 
 def test_backward_kernels_compile_ahead_of_time():
     pytest.importorskip("cuda.tile")
-    from tilegym_mamba2.toolchain import find_toolchain
+    from tilegym_mamba2.core.toolchain import find_toolchain
     if find_toolchain().tileiras is None:
         pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\")")
-    from tilegym_mamba2.cutile.aot import compile_backward_kernels
+    from tilegym_mamba2.aot import compile_backward_kernels
     for layer in (None, "packed", "sequence_states"):
         results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
         names = {name for name, _, _ in results}
@@ -370,11 +371,10 @@ def test_sequence_edge_terms_complete_the_decay_gradient():
 def test_state_512_runs_as_two_halves(monkeypatch):
     """The cutile backend's state_size 512 (two runs of 256, by linearity), with each half run on
     the pytorch backend: the same result as one run over the whole state, forward and backward."""
-    import tilegym_mamba2.cutile as cutile
-    import tilegym_mamba2.cutile.backward as cutile_backward
-    from tilegym_mamba2.backward import kernels_for
-    from tilegym_mamba2.reference import mamba2_chunk_forward_pytorch
-    from tilegym_mamba2.validation import check_forward_args
+    import tilegym_mamba2.backends.cutile as cutile
+    cutile_backward = cutile
+    from tilegym_mamba2.backends.pytorch import kernels_for, mamba2_chunk_forward_pytorch
+    from tilegym_mamba2.core.validation import check_forward_args
     monkeypatch.setattr(cutile, "mamba2_chunk_forward", mamba2_chunk_forward_pytorch)
     monkeypatch.setattr(cutile, "check_forward_args",
                         lambda *args, backend: check_forward_args(*args, backend="pytorch"))
@@ -384,7 +384,7 @@ def test_state_512_runs_as_two_halves(monkeypatch):
     assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-4)
     assert torch.allclose(final, want_final, rtol=1e-5, atol=1e-4)
 
-    monkeypatch.setattr(cutile_backward, "KERNELS", kernels_for("pytorch", torch.float32))
+    monkeypatch.setattr(cutile_backward, "KERNELS", kernels_for(torch.float32))
     dout, dfinal = torch.randn(x.shape), torch.randn(init.shape)
     args = (x, a, b, c, d, dt, init, dout, dfinal)
     got = cutile_backward._split_state_backward(*args)
@@ -425,7 +425,7 @@ def _chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L):
 def test_chunk_entry_states_are_the_token_states(seq):
     """scan_reference.chunk_entry_states (the pytorch backend's chunk states, chunk by chunk)
     equals the token-by-token state before each chunk, sequences inside chunks included."""
-    from tilegym_mamba2.scan_reference import chunk_entry_states
+    from tilegym_mamba2.reference.scan import chunk_entry_states
     g = torch.Generator().manual_seed(3)
     batch, tokens = 2, 45
     x, b = torch.randn(batch, tokens, 4, 3, generator=g, dtype=F64), torch.randn(batch, tokens, 2, 5, generator=g,
@@ -443,7 +443,7 @@ def test_gated_dy_keeps_what_its_rounding_left_out():
     bf16 terms (experiment 48). On the pytorch backend, in fp32, dA's error against float64 with
     the second term and without it (it was 2-10x larger without)."""
     from tilegym_mamba2.backward import Kernels
-    from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
+    from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
 
     kernels = pytorch_kernels(torch.float32)
     high_only = Kernels(kernels.scan, lambda *args: kernels.chunk_grads(*args[:9]), kernels.chunk_size)

@@ -9,8 +9,8 @@ import torch
 
 import tilegym_mamba2
 from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.layer_reference import chunked_layer_reference, process_dt
-from tilegym_mamba2.reference import chunked_forward_reference
+from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
+from tilegym_mamba2.reference.ssd import chunked_forward_reference
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tilegym_mamba2 import bench
+from tilegym_mamba2.bench import forward as bench
 
 SOURCE = (4, 16384, 1, 8, 128, 64)
 

@@ -2,7 +2,7 @@
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.bench_layer import LAYER_CASES, LayerCase, _reference, layer_inputs, layer_table
+from tilegym_mamba2.bench.layer import LAYER_CASES, LayerCase, _reference, layer_inputs, layer_table
 
 
 def test_cases_cover_rows_and_packed_batches():

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from tilegym_mamba2 import bench_serving as bs
-from tilegym_mamba2.serving_reference import (causal_conv1d_fn_pytorch, causal_conv1d_update_pytorch,
+from tilegym_mamba2.bench import serving as bs
+from tilegym_mamba2.backends.pytorch import (causal_conv1d_fn_pytorch, causal_conv1d_update_pytorch,
                                               selective_state_update_pytorch)
 
 TINY = dict(heads=4, head_size=8, state_size=16, groups=2)

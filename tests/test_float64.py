@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 import tilegym_mamba2
-from tilegym_mamba2.layer_reference import layer_token_recurrence, mamba_chunk_scan_combined_pytorch
-from tilegym_mamba2.reference import mamba2_chunk_forward_pytorch, token_recurrence
-from tilegym_mamba2.validation import check_forward_args, check_scan_combined_args
+from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch, mamba_chunk_scan_combined_pytorch
+from tilegym_mamba2.reference.layer import layer_token_recurrence
+from tilegym_mamba2.reference.ssd import token_recurrence
+from tilegym_mamba2.core.validation import check_forward_args, check_scan_combined_args
 
 F64 = torch.float64
 

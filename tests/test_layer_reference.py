@@ -8,13 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import tilegym_mamba2
-from tilegym_mamba2.layer_reference import (
-    layer_token_recurrence,
-    process_dt,
-    seq_idx_from_cu_seqlens,
-    sequence_runs,
-)
-from tilegym_mamba2.reference import token_recurrence
+from tilegym_mamba2.core.packing import seq_idx_from_cu_seqlens, sequence_runs
+from tilegym_mamba2.reference.layer import layer_token_recurrence, process_dt
+from tilegym_mamba2.reference.ssd import token_recurrence
 
 HEADS, HEAD_SIZE, STATE, GROUPS = 4, 8, 16, 2
 TOL_FP32 = 1e-5

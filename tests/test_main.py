@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tilegym_mamba2 import __main__ as cli
-from tilegym_mamba2.toolchain import find_toolchain
+from tilegym_mamba2.core.toolchain import find_toolchain
 
 
 def test_layer_example_on_cpu_matches_the_definition(capsys):

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tilegym_mamba2.reference import (
+from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch
+from tilegym_mamba2.reference.ssd import (
     LOG2E,
     chunk_output_reference,
     chunk_states_reference,
     chunked_forward_reference,
     decay_cumsum_reference,
-    mamba2_chunk_forward_pytorch,
     token_recurrence,
 )
 

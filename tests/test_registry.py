@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tilegym_mamba2
-from tilegym_mamba2.registry import load_registry, resolve
+from tilegym_mamba2.core.registry import load_registry, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 OP = "mamba2_chunk_forward"
@@ -23,7 +23,7 @@ OP = "mamba2_chunk_forward"
 PRELUDE = textwrap.dedent("""
     import torch
     from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-    from tilegym_mamba2.reference import chunked_forward_reference
+    from tilegym_mamba2.reference.ssd import chunked_forward_reference
 
     spec = Mamba2ProblemSpec(batch_size=2, num_tokens=40, num_groups=2, num_heads=4,
                              state_size=8, head_size=8, chunk_size=16,
@@ -76,7 +76,7 @@ def test_bad_target_names_the_entry(target):
         ops:
           my_op:
             backends:
-              pytorch: tilegym_mamba2.reference:mamba2_chunk_forward_pytorch
+              pytorch: tilegym_mamba2.backends.pytorch:mamba2_chunk_forward_pytorch
               cutile: {json.dumps(target)}
             fallback: pytorch
     """)
@@ -90,7 +90,7 @@ def test_fallback_not_a_backend_names_the_entry(fallback):
         ops:
           my_op:
             backends:
-              pytorch: tilegym_mamba2.reference:mamba2_chunk_forward_pytorch
+              pytorch: tilegym_mamba2.backends.pytorch:mamba2_chunk_forward_pytorch
             fallback: {json.dumps(fallback)}
     """)
     with pytest.raises(ValueError, match=r"my_op\.fallback"):
@@ -131,7 +131,7 @@ def test_tilegym_with_its_own_op():
         assert theirs_before is not None, "this tilegym has no mamba2_chunk_forward"
         """) + PRELUDE + textwrap.dedent("""
         import tilegym_mamba2
-        from tilegym_mamba2.registry import LazyImpl, install, load_registry
+        from tilegym_mamba2.core.registry import LazyImpl, install, load_registry
         targets = load_registry()["mamba2_chunk_forward"].backends
 
         def check_slots():
@@ -169,7 +169,7 @@ def test_tilegym_without_the_op():
         del _REGISTRY["mamba2_chunk_forward"]
         """) + PRELUDE + textwrap.dedent("""
         import tilegym_mamba2
-        from tilegym_mamba2.registry import LazyImpl
+        from tilegym_mamba2.core.registry import LazyImpl
 
         op = tilegym.ops.mamba2_chunk_forward
         slots = _REGISTRY["mamba2_chunk_forward"]
@@ -193,7 +193,7 @@ def test_tilegym_without_the_op():
 def test_without_tilegym():
     run_python("sys.modules['tilegym'] = None\n" + PRELUDE + textwrap.dedent("""
         import tilegym_mamba2
-        from tilegym_mamba2 import registry
+        from tilegym_mamba2.core import registry
         check_result(tilegym_mamba2.mamba2_chunk_forward(**inputs, backend="pytorch"))
         assert registry.install() is False
         assert sys.modules["tilegym"] is None
@@ -213,7 +213,7 @@ PROBE = textwrap.dedent("""
     except (importlib.metadata.PackageNotFoundError, ImportError):
         print(json.dumps(None))
         raise SystemExit(0)
-    from tilegym_mamba2.registry import load_registry
+    from tilegym_mamba2.core.registry import load_registry
     direct_url = json.loads(dist.read_text("direct_url.json") or "{}")
     resource = importlib.resources.files("tilegym_mamba2").joinpath("ops_registry.yaml")
     print(json.dumps({
@@ -277,7 +277,7 @@ def test_reloaded_registry_does_not_displace_our_own():
         import importlib
         import tilegym
         from tilegym.backend.dispatcher import _REGISTRY
-        import tilegym_mamba2, tilegym_mamba2.registry as registry
+        import tilegym_mamba2, tilegym_mamba2.core.registry as registry
         before = _REGISTRY["mamba2_chunk_forward"].get("tilegym-cutile")
         importlib.reload(registry)
         registry.install()

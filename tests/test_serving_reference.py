@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.serving_reference import (causal_conv1d_fn_pytorch, causal_conv1d_update_pytorch,
+from tilegym_mamba2.backends.pytorch import (causal_conv1d_fn_pytorch, causal_conv1d_update_pytorch,
                                               selective_state_update_pytorch)
 
 

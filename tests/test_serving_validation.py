@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.serving_validation import (check_conv_args, check_conv_update_args,
+from tilegym_mamba2.core.serving_validation import (check_conv_args, check_conv_update_args,
                                                check_state_update_args)
 
 BATCH, HEADS, P, N, G, SLOTS = 2, 4, 8, 16, 2, 3

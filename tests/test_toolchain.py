@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from tilegym_mamba2 import toolchain as tcm
+from tilegym_mamba2.core import toolchain as tcm
 
 # Real `--version` output of tileiras / ptxas 13.4.92, with the release left open.
 TILEIRAS_VERSION = """\
@@ -274,7 +274,7 @@ def test_real_exit_code_5_is_explained(tmp_path):
         import cuda.tile as ct
         from cuda.tile.compilation import (ArrayConstraint, CallingConvention,
                                            KernelSignature, export_kernel)
-        from tilegym_mamba2.toolchain import explain_compile_failure
+        from tilegym_mamba2.core.toolchain import explain_compile_failure
 
         @ct.kernel
         def add_one(a, b):
@@ -309,7 +309,7 @@ def test_import_runs_no_subprocess():
             "try:\n    import tilegym\nexcept ImportError:\n    pass\n"
             "def refuse(*a, **k): raise AssertionError('subprocess at import')\n"
             "subprocess.run = subprocess.Popen = refuse\n"
-            "import tilegym_mamba2.toolchain\n")
+            "import tilegym_mamba2.core.toolchain\n")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(tcm.__file__)))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)

@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import tilegym_mamba2
-from tilegym_mamba2.reference import mamba2_chunk_forward_pytorch, token_recurrence
-from tilegym_mamba2.validation import ForwardArgs, check_forward_args
+from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch
+from tilegym_mamba2.reference.ssd import token_recurrence
+from tilegym_mamba2.core.validation import ForwardArgs, check_forward_args
 
 B, T, G, H, P, N, L = 2, 20, 2, 4, 8, 16, 16
 

@@ -8,8 +8,8 @@ differentiable (autograd, torch.compile).
 """
 import torch
 
-from .autograd import differentiable_chunk_forward, differentiable_scan_combined
-from .registry import implementation, install, preferred_backend
+from . import autograd
+from .core.registry import implementation, install, preferred_backend
 from .testing import Mamba2ProblemSpec
 
 __version__ = "0.1.0"
@@ -34,9 +34,7 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
         final_state [batch, heads, head_size, state_size] fp32.
         Differentiable in every tensor input (mamba2_chunk_backward runs on backward).
     """
-    if torch.compiler.is_compiling():  # straight to the custom op: the registry is not traceable
-        return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
-    return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
+    return autograd.chunk_forward_on(backend, x, a, b, c, d, dt, init_state, chunk_size)
 
 
 def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
@@ -83,22 +81,20 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         [batch, heads, head_size, state_size] fp32 if asked; then varlen_states
         [num_sequences, heads, head_size, state_size] fp32 if asked.
     """
-    op = "mamba2_chunk_scan_combined"
-    if torch.compiler.is_compiling():
-        return differentiable_scan_combined(
-            x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-            return_final_states, return_varlen_states, backend or ("cutile" if x.is_cuda else "pytorch"))
-    if backend is None:
-        backend = preferred_backend(op) if getattr(x, "is_cuda", False) else "pytorch"
-    return implementation(op, backend)(
-        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-        return_final_states, return_varlen_states)
+    return autograd.scan_combined_on(_backend("mamba2_chunk_scan_combined", backend, x), x, dt, A, B, C, chunk_size,
+                                     D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+                                     return_final_states, return_varlen_states)
 
 
-def _serving_backend(op, backend, x):
-    if backend is None:
-        return preferred_backend(op) if getattr(x, "is_cuda", False) else "pytorch"
-    return backend
+def _backend(op, backend, x):
+    """The backend a call runs on: the one asked for, else our kernels for CUDA tensors (the
+    registry's preference) and the pytorch backend for others."""
+    if backend is not None:
+        return backend
+    if not getattr(x, "is_cuda", False):
+        return "pytorch"
+    # While torch.compile traces, the registry's lookup is not traceable; every op has our kernels.
+    return "cutile" if torch.compiler.is_compiling() else preferred_backend(op)
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -120,7 +116,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     Returns out like x, in x's dtype.
     """
     op = "selective_state_update"
-    return implementation(op, _serving_backend(op, backend, x))(
+    return implementation(op, _backend(op, backend, x))(
         state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
 
 
@@ -143,7 +139,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     then the final states if asked.
     """
     op = "causal_conv1d_fn"
-    return implementation(op, _serving_backend(op, backend, x))(
+    return implementation(op, _backend(op, backend, x))(
         x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation)
 
 
@@ -166,7 +162,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     Returns out like x, in x's dtype.
     """
     op = "causal_conv1d_update"
-    return implementation(op, _serving_backend(op, backend, x))(
+    return implementation(op, _backend(op, backend, x))(
         x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
@@ -178,7 +174,7 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     """Drop-in for mamba_ssm's ``mamba_split_conv1d_scan_combined``: a Mamba-2 mixer's training
     forward from its input projection's output (z, xBC, dt side by side) through the causal
     convolution, the scan, the gated RMSNorm (groups of dim / ngroups) and the output projection,
-    differentiable (split_conv1d_scan.py says how it is composed; the scan is ours).
+    differentiable (backends/split_conv1d_scan.py says how it is composed; the scan is ours).
 
     Args (mamba_ssm's names): zxbcdt [batch, seqlen, 2 * dim + 2 * ngroups * dstate + nheads] (plus
     2 * d_nonssm MLP channels in front); conv1d_weight [dim + 2 * ngroups * dstate, width];
@@ -192,12 +188,12 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     """
     op = "mamba2_split_conv1d_scan_combined"
     if torch.compiler.is_compiling():  # the registry's lookup is not traceable; the composition is
-        from .split_conv1d_scan import split_conv1d_scan
+        from .backends.split_conv1d_scan import split_conv1d_scan
         return split_conv1d_scan(
             zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
             return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim,
-            ngroups, norm_before_gate, backend=backend or ("cutile" if zxbcdt.is_cuda else "pytorch"))
-    return implementation(op, _serving_backend(op, backend, zxbcdt))(
+            ngroups, norm_before_gate, backend=_backend(op, backend, zxbcdt))
+    return implementation(op, _backend(op, backend, zxbcdt))(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
         return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups,
         norm_before_gate)

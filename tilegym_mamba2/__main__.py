@@ -61,7 +61,7 @@ def main(argv=None):
 
 
 def check() -> int:
-    from .toolchain import describe, diagnose
+    from .core.toolchain import describe, diagnose
     print(describe(target=None if torch.cuda.is_available() else "sm_90"))
     if torch.cuda.is_available():
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability "
@@ -85,14 +85,14 @@ def run() -> int:
         torch.cuda.synchronize()
         first = time.perf_counter() - start
         err = _rel(out, inputs["out"]), _rel(final, inputs["final_state"])
-        from .bench import measure
+        from .bench.forward import measure
         ms = measure(lambda: tilegym_mamba2.mamba2_chunk_forward(**forward_inputs(inputs)))
         print(f"cutile backend, {spec}:\n  first call {first:.1f} s (compile included), median {ms:.3f} ms,"
               f" error vs float64 reference: out {err[0]:.1e}, final_state {err[1]:.1e}")
         layer_err = layer_example("cuda")
         grad_err = gradient_example("cuda")
         return status or int(not all(e <= 1e-2 for e in (*err, layer_err, grad_err)))  # NaN fails too
-    from .reference import token_recurrence
+    from .reference.ssd import token_recurrence
     spec = Mamba2ProblemSpec(batch_size=1, num_tokens=300, num_groups=1, num_heads=4, state_size=64,
                              head_size=64, chunk_size=128, device="cpu")
     inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
@@ -110,8 +110,8 @@ def layer_example(device) -> float:
     """The layer op as a mixer calls it, on three packed sequences with every option, against
     the float64 definition. On CUDA it runs our kernels, elsewhere the pytorch backend."""
     import tilegym_mamba2
-    from .bench_layer import LayerCase, layer_inputs
-    from .layer_reference import layer_token_recurrence
+    from .bench.layer import LayerCase, layer_inputs
+    from .reference.layer import layer_token_recurrence
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     args, lengths = layer_inputs(LayerCase("example", 1, 381, 2, 8, 64, 64, sequences=3), device, dtype)
     args.update(D=torch.randn(8, 64, device=device), dt_limit=(0.0, 1.0))  # D per channel, a clamp
@@ -130,8 +130,8 @@ def gradient_example(device) -> float:
     """Training: the layer op's gradients (every input, packed sequences, D per channel, z, dt_bias,
     softplus) through autograd, against float64 autograd of its definition."""
     import tilegym_mamba2
-    from .bench_layer import LayerCase, layer_inputs
-    from .layer_reference import layer_token_recurrence
+    from .bench.layer import LayerCase, layer_inputs
+    from .reference.layer import layer_token_recurrence
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     args, lengths = layer_inputs(LayerCase("example", 1, 381, 2, 8, 64, 64, sequences=3), device, dtype)
     args.update(D=torch.randn(8, 64, device=device))
@@ -152,9 +152,9 @@ def gradient_example(device) -> float:
 
 
 def compile_all(target) -> int:
-    from .cutile.aot import (compile_backward_kernels, compile_kernels, compile_layer_kernels,
+    from .aot import (compile_backward_kernels, compile_kernels, compile_layer_kernels,
                              compile_serving_kernels)
-    from .toolchain import explain_compile_failure
+    from .core.toolchain import explain_compile_failure
     try:
         for op, compiled in (("mamba2_chunk_forward", lambda: compile_kernels(target)),
                              ("mamba2_chunk_forward, short rows in one launch",
@@ -177,7 +177,7 @@ def compile_all(target) -> int:
 
 
 def bench_cmd(args) -> int:
-    from . import bench
+    from .bench import forward as bench
     if not torch.cuda.is_available():
         print("bench needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
         return 1
@@ -186,14 +186,14 @@ def bench_cmd(args) -> int:
         bench.stage_times(shapes)
         return 0
     if args.backward:
-        from .bench_backward import backward_table, run_backward_bench
+        from .bench.backward import backward_table, run_backward_bench
         rows = run_backward_bench(only=args.only)
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
         print(backward_table(rows))
         return 0
     if args.serving:
-        from .bench_serving import notes_text, plot_serving, run_serving_bench, serving_table
+        from .bench.serving import notes_text, plot_serving, run_serving_bench, serving_table
         result = run_serving_bench(out_json=args.json)
         print(serving_table(result["rows"], result["meta"].get("copy_bandwidth_bytes_per_s")))
         if args.png:
@@ -204,7 +204,7 @@ def bench_cmd(args) -> int:
         print(notes_text(result["notes"]))
         return 0
     if args.layer:
-        from .bench_layer import layer_table, run_layer_bench
+        from .bench.layer import layer_table, run_layer_bench
         rows = run_layer_bench()
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
@@ -219,18 +219,23 @@ def bench_cmd(args) -> int:
 
 
 def tune_cmd(args) -> int:
-    from .bench import GRID_SHAPES
-    from .cutile import pretune
+    from .bench.forward import GRID_SHAPES
+    from .core.validation import check_forward_args
+    from .cutile.forward import config_for
+    from .testing import Mamba2ProblemSpec, forward_inputs
     if not torch.cuda.is_available():
         print("tune needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
         return 1
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else GRID_SHAPES
-    pretune(shapes)
+    for shape in shapes:  # (batch, tokens, groups, heads, state_size, head_size), random inputs
+        spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, dtype=torch.bfloat16, device="cuda")
+        inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+        print(f"tuning {shape}: {config_for(*check_forward_args(**inputs, backend='cutile'), tune=True)}")
     return 0
 
 
 def registry() -> int:
-    from .registry import load_registry
+    from .core.registry import load_registry
     for entry in load_registry().values():
         print(f"{entry.name}\n  {entry.contract}\n  backends: {entry.backends}\n  fallback: {entry.fallback}"
               f"\n  displaces tilegym's own to: {entry.displaces}")

@@ -1,16 +1,17 @@
 """Autograd and torch.compile for both ops: torch.library custom ops with fake implementations.
 
-Each backend's entry point sends a call here when a gradient may be wanted (an input that
-requires grad, grad mode on) or while torch.compile traces; otherwise it runs directly, so
-inference keeps its host path. The custom op's implementation calls the same entry point
-again (autograd is off inside it), which checks the arguments, so errors are raised at run
-time under torch.compile too. Gradients come from backward.py on the same backend.
+Each backend's entry point (backends/) sends a call here when a gradient may be wanted (an
+input that requires grad, grad mode on) or while torch.compile traces; otherwise it runs
+directly, so inference keeps its host path. The custom op's implementation calls the same entry
+point again through the registry (autograd is off inside it), which checks the arguments, so
+errors are raised at run time under torch.compile too. Gradients come from the backend's
+backward op, found through the registry too: nothing here imports a backend.
 
 Eager calls go through a torch.autograd.Function with the same forward, setup and gradients
 instead: a custom op's dispatch costs host time on every call (on a CPU, with launches recorded,
 forward + backward of the plain op 491 us through the custom ops, 341 through the Function, 203
 without autograd), and on the H200 the source config's autograd step was host-bound
-(benchmarks/NOTES.md, experiments 50 and 51). Only torch.compile needs the custom ops.
+(docs/design.md, "Autograd"). Only torch.compile needs the custom ops.
 
 varlen_states are differentiable too (mamba_ssm refuses a backward with them).
 """
@@ -18,9 +19,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .layer_reference import _returns
-from .registry import implementation
-from .validation import check_forward_args, check_scan_combined_args
+from .core.packing import scan_returns
+from .core.registry import implementation
+from .core.validation import check_forward_args, check_scan_combined_args
 
 _NONE = ()  # custom ops return tensors only: an empty tensor stands for "no gradient"
 
@@ -53,9 +54,9 @@ def _run_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states
 
 def _run_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias,
                                 initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high, backend):
-    from .backward import scan_combined_backward as run
-    return run(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
-               seq_idx, cu_seqlens, dt_softplus, (dt_low, dt_high), backend=backend)
+    return implementation("mamba2_chunk_scan_combined_backward", backend)(
+        dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+        cu_seqlens, dt_softplus, (dt_low, dt_high))
 
 
 # --- mamba2_chunk_forward ------------------------------------------------------------------
@@ -225,4 +226,24 @@ def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, init
         op = _EagerScanCombined.apply
     out, final_states, varlen = op(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                    dt_softplus, float(dt_limit[0]), float(dt_limit[1]), return_varlen_states, backend)
-    return _returns(out, final_states, varlen, return_final_states, return_varlen_states)
+    return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
+
+
+# --- what the public API and the compositions call ------------------------------------------
+
+def chunk_forward_on(backend, x, a, b, c, d, dt, init_state, chunk_size):
+    """mamba2_chunk_forward on ``backend``: straight to the custom op while torch.compile traces
+    (the registry's lookup is not traceable), else the backend's entry point."""
+    if torch.compiler.is_compiling():
+        return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
+    return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
+
+
+def scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                     dt_softplus, dt_limit, return_final_states, return_varlen_states):
+    """mamba_chunk_scan_combined on ``backend``, as chunk_forward_on."""
+    args = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+            return_final_states, return_varlen_states)
+    if torch.compiler.is_compiling():
+        return differentiable_scan_combined(*args, backend)
+    return implementation("mamba2_chunk_scan_combined", backend)(*args)

@@ -1,4 +1,4 @@
-"""The backward pass, written once over a scan (scan_reference.py or cutile/scan.py).
+"""The backward pass, written once over a scan (reference/scan.py or cutile/scan.py).
 
 Forward, per row and head: h_t = exp(l_t) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t, l_t = a dt_t.
 With dh_t the gradient reaching h_t (dh after the last token is dfinal_state):
@@ -12,65 +12,44 @@ Two scans and one chunk-local step give everything that involves a state:
     3. chunk_grads: per chunk, from the state S entering it and the gradient dS of the state
        leaving it, dx (dt_t dh_t b_t + skip dy_t), x_t . dh_t b_t, dc, db and the decay gradient
        dl_u = <dh_u, exp(l_u) h_{u-1}> as sums of products within the chunk
-       (scan_reference.chunk_grads_reference states them; sequence_edge_terms adds what
+       (reference/scan.py, chunk_grads_reference, states them; sequence_edge_terms adds what
        sequences that start or end inside a chunk with their own state or state gradient add).
 "Backwards" is the scan on token-reversed inputs (padded at the front to whole chunks) with
 log decay l'_s = l_{T-s} (the decay between a token and the one after it) and 0 where a
 sequence ends, so the gradient of a state enters undecayed and nothing crosses a sequence
 boundary. The cutile backend runs cutile/chunk_states_walk.py (the reversed scan too, on
 unflipped inputs, for one sequence per row; the state pass with packed sequences) and
-cutile/chunk_grads.py; the pytorch backend scan_reference and chunk_grads_reference.
+cutile/chunk_grads.py; the pytorch backend reference/scan.py's scan_reference and
+chunk_grads_reference. Each backend passes its Kernels in (backends/cutile.py, backends/pytorch.py).
 
 Summing per-token terms over the rest of the sequence gives dl too, the same value in exact
 arithmetic, but one whose terms cancel: 4-20% off with bf16 outputs on the H200, and off in fp32
-where dl is small (benchmarks/NOTES.md, experiments 34 and 40). Then
+where dl is small (docs/design.md, "The decay gradient"). Then
     ddt_t = x_t . (dh_t b_t) + a dl_t,    da = sum dt_t dl_t,    dinit = exp(l_first) dh_first.
 
 A scan is called as scan(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens, outputs=...) and
 returns (y or None, final_states, varlen_states or None, chunk states); init is
 [batch, ...] or, with cu_seqlens, [num_sequences, ...].
 """
-import contextlib
-import functools
 from typing import Callable, NamedTuple
 
 import torch
 
-from .layer_reference import process_dt, process_dt_slope
-from .scan_reference import chunk_grads_reference, scan_reference
-from .validation import check_backward_args, check_scan_combined_args, seq_idx_from_cu_seqlens
+from .core.packing import seq_idx_from_cu_seqlens
+from .core.tensors import expand_groups, group_sums
+from .core.validation import check_scan_combined_args
+from .reference.layer import process_dt, process_dt_slope
 
 
-def mamba2_chunk_backward_pytorch(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
-                                  state_dtype=torch.float32):
-    """The "pytorch" backend of mamba2_chunk_backward: backward.py over the PyTorch scan, in fp32
-    (fp64 for fp64 inputs). ``state_dtype`` is accepted for tilegym's call; states stay fp32."""
-    args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="pytorch")
-    return chunk_backward(kernels_for("pytorch", x.dtype), *args[:-1])
-
-
-def scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None, z=None,
-                           dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
-                           dt_limit=(0.0, float("inf")), *, backend):
-    """Gradients of mamba_chunk_scan_combined for the autograd op (autograd.py): (dx, ddt, dA, dB,
-    dC, dD, dz, ddt_bias, dinitial_states), None where the input is None."""
+def scan_combined_backward(kernels_for, dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None,
+                           z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
+                           dt_softplus=False, dt_limit=(0.0, float("inf")), *, backend):
+    """Gradients of mamba_chunk_scan_combined (the registry op mamba2_chunk_scan_combined_backward,
+    which autograd.py calls): (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None where
+    the input is None. ``kernels_for(dtype)``: the backend's Kernels for inputs of that dtype."""
     saved = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                      dt_softplus, dt_limit, True, dvarlen_states is not None, backend=backend)
-    if backend == "cutile":
-        from .cutile import compile_errors_explained
-    else:
-        compile_errors_explained = contextlib.nullcontext
-    with compile_errors_explained():
-        return layer_backward(kernels_for(backend, x.dtype), saved, dout, dfinal_states, dvarlen_states)
-
-
-def kernels_for(backend, dtype) -> "Kernels":
-    """What backward.py runs on: our kernels, or the PyTorch scan and chunk_grads_reference in
-    fp32 (fp64 for fp64 inputs)."""
-    if backend == "cutile":
-        from .cutile.scan import KERNELS
-        return KERNELS
-    return pytorch_kernels(torch.promote_types(dtype, torch.float32))
+    return layer_backward(kernels_for(x.dtype), saved, dout, dfinal_states, dvarlen_states)
 
 
 class Kernels(NamedTuple):
@@ -85,31 +64,6 @@ class Kernels(NamedTuple):
     reversed_scan: Callable | None = None
 
 
-def pytorch_kernels(dtype, chunk_size=64) -> Kernels:
-    """The pytorch backend's: scan_reference and chunk_grads_reference in ``dtype``."""
-    def chunk_grads(x, b, c, dy, a, seq_idx, forward_states, reverse_states, skip, dy_low=None):
-        if dy_low is not None:
-            dy = dy.to(dtype) + dy_low.to(dtype)
-        entry, weight, log_decay = forward_states
-        rev_entry, _, rev_decay = reverse_states
-        chunks = entry.shape[1]
-        # Chunk k ends where reversed chunk K-1-k starts: dS = exp(its first decay) * its entry state.
-        first = rev_decay[:, ::chunk_size][:, :chunks].to(dtype)                     # [batch, chunks, heads]
-        ends = (torch.exp(first)[..., None, None] * rev_entry).flip(1)
-        dxs, ddt_input, dl, db, dc = chunk_grads_reference(x, b, c, dy, weight, log_decay, entry, ends, seq_idx,
-                                                           chunk_size=chunk_size)
-        weight = weight.to(dtype)
-        dskip = None
-        if skip is not None:
-            dskip = (dy.to(dtype) * x.to(dtype)).sum((0, 1))
-            dskip = dskip.sum(1, keepdim=True) if skip.shape[1] == 1 else dskip
-        return (input_grad(dxs, weight, dy, skip, x.dtype), ddt_input + a * dl, (weight * dl).sum((0, 1)), db, dc,
-                dskip)
-
-    scan = functools.partial(scan_reference, dtype=dtype, chunk_size=chunk_size, chunk_states=True)
-    return Kernels(scan, chunk_grads, chunk_size)
-
-
 def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None, seq_idx=None, cu_seqlens=None,
                   dfinal_states=None, dvarlen_states=None, want_y=False, dy_low=None):
     """Gradients of (y, final_states, varlen_states) = scan(x, B, C, dt, A * dt, initial_states, ...).
@@ -118,7 +72,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     dtype; dfinal_states [batch, heads, head_size, state_size], dvarlen_states
     [num_sequences, ...] or None. dy_low (like dy, or None): what rounding dy to x's dtype left
     out, which chunk_grads adds back where dy meets x and the states (the reversed scan takes dy
-    alone: experiment 48 found its rounding harmless).
+    alone: there its rounding moved no gradient measurably).
     -> (dx, dB, dC, ddt, dA, dinitial_states or None, dskip or None, y or None): dx = dt_t dh_t b_t
     + skip * dy_t in x's dtype (skip [heads, 1] or [heads, head_size], or None; dskip like it),
     the rest in the accumulation dtype (fp32, or fp64 for fp64 inputs); y (the forward's) when
@@ -233,7 +187,7 @@ def sequence_edge_terms(x, B, C, dy, weight, log_decay, cu_seqlens, seq_idx, sta
     No term is a difference: nothing cancels."""
     acc = log_decay.dtype
     heads, groups = x.shape[2], B.shape[2]
-    per_head_b, per_head_c = _per_head(B, heads)[0], _per_head(C, heads)[0]
+    per_head_b, per_head_c = expand_groups(B, heads)[0], expand_groups(C, heads)[0]
     running = torch.cat([log_decay.new_zeros(1, heads, dtype=torch.float64),
                          log_decay[0].to(torch.float64).cumsum(0)])          # running[t + 1] = g_t
     received = torch.zeros_like(log_decay[0])
@@ -279,25 +233,6 @@ def _reverse_init(dfinal_states, dvarlen_states):
     return starts
 
 
-def _per_head(bc, heads):
-    """[batch, tokens, groups, n] -> [batch, tokens, heads, n]: a view where there is one group."""
-    groups = bc.shape[2]
-    if groups == heads:
-        return bc
-    if groups == 1:
-        return bc.expand(-1, -1, heads, -1)
-    return bc.repeat_interleave(heads // groups, dim=2)
-
-
-def group_sums(per_head, groups, dtype=torch.float32):
-    """[batch, tokens, heads (or blocks of a group's heads), n] -> [batch, tokens, groups, n],
-    summed in ``dtype``."""
-    batch, tokens, heads, n = per_head.shape
-    if heads == groups:
-        return per_head.to(dtype)
-    return per_head.view(batch, tokens, groups, heads // groups, n).sum(3, dtype=dtype)
-
-
 def _sequence_suffix_sums(values, seq_idx):
     """[batch, tokens, heads] -> at each token, the sum over it and its sequence's later tokens
     (in fp64: a long sequence's sums are differences of large suffix sums)."""
@@ -319,7 +254,7 @@ def _sequence_suffix_sums(values, seq_idx):
 
 def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None):
     """Gradients of mamba_chunk_scan_combined. ``saved``: its checked arguments
-    (validation.ScanCombinedArgs). -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states),
+    (core/validation.py, ScanCombinedArgs). -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states),
     each in its input's dtype, None for an input that is None."""
     x, dt_raw, A, B, C, _, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = saved[:12]
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -333,7 +268,7 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
         gate = torch.sigmoid(z.to(acc))
         dy = dout * z.to(acc) * gate
     # The gated dy is no longer x's dtype: rounded to it for the mma operands, it moved the mixer's
-    # dA 1.5e-3 off float64 against mamba_ssm's 4.7e-4 (experiment 48); the rest goes along.
+    # dA 1.5e-3 off float64 against mamba_ssm's 4.7e-4; the rest goes along as a second term.
     dy_high = dy.to(x.dtype)
     dy_low = (dy - dy_high.to(acc)).to(x.dtype) if z is not None and x.dtype != acc else None
     dx, dB, dC, ddt, dA, dinit, dskip, y = scan_backward(

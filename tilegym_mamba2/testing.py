@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .reference import (
+from .core.tensors import expand_groups
+from .reference.ssd import (
     LOG2E,
-    _expand_groups,
     chunk_output_reference,
     chunk_states_reference,
     decay_cumsum_reference,
@@ -195,8 +195,8 @@ class Mamba2ProblemSpec:
         with torch.enable_grad():  # TileGym's tests call get_sample_inputs under torch.no_grad()
             x, a, d, dt, init = (leaf(inputs[k]) for k in ("x", "a", "d", "dt", "init_state"))
             # Per-head copies of b and c (a group per head), so their gradients come per head.
-            b = leaf(_expand_groups(inputs["b"].to(f64), H))
-            c = leaf(_expand_groups(inputs["c"].to(f64), H))
+            b = leaf(expand_groups(inputs["b"].to(f64), H).contiguous())
+            c = leaf(expand_groups(inputs["c"].to(f64), H).contiguous())
             state, outs, leaving = init, [], []
             for start in range(0, T, L):
                 part = slice(start, min(start + L, T))

@@ -387,7 +387,7 @@ def _ours(name: str, backend):
 
 def _training_conv(*args, **kwargs):
     """The prefill convolution in training: differentiable, torch's conv1d where it applies."""
-    from .split_conv1d_scan import causal_conv1d_differentiable
+    from .backends.split_conv1d_scan import causal_conv1d_differentiable
 
     return causal_conv1d_differentiable(*args, **{k: v for k, v in kwargs.items() if k in _ACCEPTS["causal_conv1d_fn"]})
 

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.cutile import plan, run_stages
+from tilegym_mamba2.cutile import plan
+from tilegym_mamba2.cutile.forward import run_stages
 from tilegym_mamba2.cutile.launch import poisoned_outputs
 from tilegym_mamba2.cutile.tuning import CHAINED_SEGMENTS, ConfigCache, bucket_key, chained_config, choose_config
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-from tilegym_mamba2.validation import check_forward_args
+from tilegym_mamba2.core.validation import check_forward_args
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tilegym_mamba2.backward import _flipped_scan, pytorch_kernels
+from tilegym_mamba2.backends.pytorch import pytorch_kernels
+from tilegym_mamba2.backward import _flipped_scan
 from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
 from tilegym_mamba2.cutile.launch import poisoned_outputs
 from tilegym_mamba2.cutile.scan import reversed_scan, scan

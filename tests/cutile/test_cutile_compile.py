@@ -10,14 +10,14 @@ import torch
 
 pytest.importorskip("cuda.tile", reason="cuda-tile is not installed")
 
-from tilegym_mamba2.toolchain import diagnose, find_toolchain  # noqa: E402
+from tilegym_mamba2.core.toolchain import diagnose, find_toolchain  # noqa: E402
 
 _TOOLCHAIN = find_toolchain()
 if _TOOLCHAIN.tileiras is None:
     pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\"): "
                 + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
 
-from tilegym_mamba2.cutile.aot import compile_kernels, compile_layer_kernels  # noqa: E402
+from tilegym_mamba2.aot import compile_kernels, compile_layer_kernels  # noqa: E402
 
 KERNELS = ["chunk_cumsum_kernel", "segment_states_kernel", "state_scan_kernel", "compute_out_kernel"]
 # Small tiles (head_size 32, state_size 64, chunk 32): every kernel, ~2 s per target.

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.cutile import run_stages
+from tilegym_mamba2.cutile.forward import run_stages
 from tilegym_mamba2.cutile.launch import poisoned_outputs
 from tilegym_mamba2.cutile.tuning import Config, choose_config
-from tilegym_mamba2.reference import chunked_forward_reference, decay_cumsum_reference, chunk_states_reference
+from tilegym_mamba2.reference.ssd import chunked_forward_reference, decay_cumsum_reference, chunk_states_reference
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-from tilegym_mamba2.validation import check_forward_args
+from tilegym_mamba2.core.validation import check_forward_args
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 

@@ -8,17 +8,18 @@ import pytest
 def test_compile_failures_inside_the_op_are_explained(monkeypatch):
     """A tileiras failure during the op's first call comes back with the toolchain diagnosis;
     any other error passes through untouched."""
-    import tilegym_mamba2.cutile as backend
+    import tilegym_mamba2.backends.cutile as backend
 
     failure = RuntimeError("Return code 5: failed to compile Tile IR program")
     monkeypatch.setattr(backend, "check_forward_args", lambda *args, **kw: args[:8])
     monkeypatch.setattr(backend, "run_stages", lambda *args: (_ for _ in ()).throw(failure))
-    monkeypatch.setattr(backend, "explain_compile_failure", lambda exc: "CUDA_HOME is CUDA 13.0; fix: ...")
+    import tilegym_mamba2.core.toolchain as toolchain
+    monkeypatch.setattr(toolchain, "explain_compile_failure", lambda exc: "CUDA_HOME is CUDA 13.0; fix: ...")
     with pytest.raises(RuntimeError, match="CUDA_HOME is CUDA 13.0") as info:
         backend.mamba2_chunk_forward(*range(7), 64)
     assert info.value.__cause__ is failure
 
-    monkeypatch.setattr(backend, "explain_compile_failure", lambda exc: None)
+    monkeypatch.setattr(toolchain, "explain_compile_failure", lambda exc: None)
     with pytest.raises(RuntimeError) as info:
         backend.mamba2_chunk_forward(*range(7), 64)
     assert info.value is failure
@@ -45,7 +46,7 @@ def test_every_segment_length_shares_compiled_kernels(shape):
     call compiles it once per candidate."""
     pytest.importorskip("cuda.tile")
     import torch
-    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.forward import run_stages
     from tilegym_mamba2.cutile.launch import recording_launches
     from tilegym_mamba2.cutile.tuning import candidates, choose_config, whole_row_chunks
     batch, tokens, groups, heads, head_size, state_size = shape
@@ -70,7 +71,7 @@ def test_one_segment_per_row_skips_the_state_pass():
     pytest.importorskip("cuda.tile")
     import torch
     from dataclasses import replace
-    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.forward import run_stages
     from tilegym_mamba2.cutile.launch import recording_launches
     from tilegym_mamba2.cutile.tuning import choose_config
     x, b = torch.randn(2, 300, 4, 32).bfloat16(), torch.randn(2, 300, 1, 64).bfloat16()
@@ -98,7 +99,7 @@ def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
     import torch
     from tilegym_mamba2.backward import chunk_backward
     from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.cutile.scan import KERNELS
+    from tilegym_mamba2.backends.cutile import KERNELS
     batch, tokens, heads, head_size, state_size = 2, 300, 4, 64, 128
     dtype = getattr(torch, dtype)
     x, dout = (torch.zeros(batch, tokens, heads, head_size, dtype=dtype) for _ in range(2))
@@ -122,7 +123,7 @@ def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     from dataclasses import replace
 
     import torch
-    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.forward import run_stages
     from tilegym_mamba2.cutile.launch import recording_launches
     from tilegym_mamba2.cutile.scan_combined import run_layer
     from tilegym_mamba2.cutile.tuning import choose_config
@@ -172,7 +173,7 @@ def test_the_chained_path_is_one_launch_and_reuses_its_workspace():
     first call of a shape only), and all its segment lengths share one specialization."""
     pytest.importorskip("cuda.tile")
     import torch
-    from tilegym_mamba2.cutile import run_stages
+    from tilegym_mamba2.cutile.forward import run_stages
     from tilegym_mamba2.cutile.chained_prefill import _workspaces
     from tilegym_mamba2.cutile.launch import recording_launches
     from tilegym_mamba2.cutile.tuning import CHAINED_SEGMENTS, chained_config, choose_config
@@ -211,7 +212,8 @@ def test_a_chained_call_being_captured_gets_a_workspace_of_its_own(monkeypatch):
     share the stream's workspace."""
     pytest.importorskip("cuda.tile")
     import torch
-    from tilegym_mamba2.cutile import run_stages, tuning
+    from tilegym_mamba2.cutile import tuning
+    from tilegym_mamba2.cutile.forward import run_stages
     from tilegym_mamba2.cutile.chained_prefill import _workspaces
     from tilegym_mamba2.cutile.launch import recording_launches
     from tilegym_mamba2.cutile.tuning import chained_config, choose_config

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("cuda.tile")
 
-from tilegym_mamba2 import serving_validation, validation  # noqa: E402
+from tilegym_mamba2.core import serving_validation, validation  # noqa: E402
 from tilegym_mamba2.cutile import plan  # noqa: E402
 from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
 
@@ -72,12 +72,12 @@ def layer_inputs(options=(), batch=1, tokens=300, heads=4, head_size=32, state_s
 
 
 def forward(**kw):
-    from tilegym_mamba2.cutile import mamba2_chunk_forward
+    from tilegym_mamba2.backends.cutile import mamba2_chunk_forward
     return mamba2_chunk_forward(**kw)
 
 
 def layer(**kw):
-    from tilegym_mamba2.cutile.scan_combined import mamba_chunk_scan_combined
+    from tilegym_mamba2.backends.cutile import mamba_chunk_scan_combined
     return mamba_chunk_scan_combined(**kw)
 
 
@@ -99,10 +99,10 @@ def recorded(op, kw, inputs):
 
 def counting_checks(monkeypatch):
     """Counts full checks of either op."""
-    import tilegym_mamba2.cutile as backend
+    import tilegym_mamba2.backends.cutile as backend
     from tilegym_mamba2.cutile import scan_combined
     calls = []
-    for module, name in ((backend, "check_forward_args"), (scan_combined, "check_scan_combined_args")):
+    for module, name in ((backend, "check_forward_args"), (backend, "check_scan_combined_args")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _original=original, **k: calls.append(1) or _original(*a, **k))
     return calls
@@ -262,10 +262,11 @@ def test_nothing_is_remembered_during_graph_capture(monkeypatch):
 
 def test_a_planned_call_neither_tunes_nor_looks_the_config_up(monkeypatch):
     """What keeps a planned call capturable: no config lookup, so no timing and no sync."""
-    import tilegym_mamba2.cutile as backend
+    import tilegym_mamba2.backends.cutile as backend
     kw = forward_inputs()
     recorded(forward, kw, kw)
-    monkeypatch.setattr(backend, "config_for", lambda *a, **k: pytest.fail("config_for on a planned call"))
+    from tilegym_mamba2.cutile import forward as cutile_forward
+    monkeypatch.setattr(cutile_forward, "config_for", lambda *a, **k: pytest.fail("config_for on a planned call"))
     recorded(forward, kw, kw)
     layer_kw = layer_inputs(("D", "z"))
     recorded(layer, layer_kw, layer_kw)
@@ -356,18 +357,18 @@ def conv_update_inputs(form=(), batch=3, dim=40, width=4, seed=3):
 
 
 def state_update(**kw):
-    from tilegym_mamba2.cutile.selective_state_update import selective_state_update
+    from tilegym_mamba2.cutile.serving.selective_state_update import selective_state_update
     return selective_state_update(**kw)
 
 
 def conv_update(**kw):
-    from tilegym_mamba2.cutile.causal_conv1d_update import causal_conv1d_update
+    from tilegym_mamba2.cutile.serving.causal_conv1d_update import causal_conv1d_update
     return causal_conv1d_update(**kw)
 
 
 def counting_serving_checks(monkeypatch):
     """Counts full checks of either decode-step op."""
-    from tilegym_mamba2.cutile import causal_conv1d_update, selective_state_update
+    from tilegym_mamba2.cutile.serving import causal_conv1d_update, selective_state_update
     calls = []
     for module, name in ((selective_state_update, "check_state_update_args"),
                          (causal_conv1d_update, "check_conv_update_args")):

@@ -5,14 +5,14 @@ import torch
 
 pytest.importorskip("cuda.tile", reason="cuda-tile is not installed")
 
-from tilegym_mamba2.toolchain import diagnose, find_toolchain  # noqa: E402
+from tilegym_mamba2.core.toolchain import diagnose, find_toolchain  # noqa: E402
 
 _TOOLCHAIN = find_toolchain()
 if _TOOLCHAIN.tileiras is None:
     pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\"): "
                 + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
 
-from tilegym_mamba2.cutile.aot import (compile_conv_kernels, compile_conv_update_kernels,  # noqa: E402
+from tilegym_mamba2.aot import (compile_conv_kernels, compile_conv_update_kernels,  # noqa: E402
                                        compile_state_update_kernels)
 from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
 
@@ -91,8 +91,8 @@ def test_conv_update_kernel_compiles_sm90(variant):
 def test_state_update_recognises_expanded_per_head_values():
     """HF's call (dt, A, D, dt_bias expanded with stride 0) is read per head: the kernel gets
     [batch, heads] dt and [heads] A, D, dt_bias views, and no dense copies of them."""
-    from tilegym_mamba2.cutile.selective_state_update import PER_CHANNEL, PER_ELEMENT, PER_HEAD, run_state_update
-    from tilegym_mamba2.serving_validation import check_state_update_args
+    from tilegym_mamba2.cutile.serving.selective_state_update import PER_CHANNEL, PER_ELEMENT, PER_HEAD, run_state_update
+    from tilegym_mamba2.core.serving_validation import check_state_update_args
     batch, heads, p, n = 2, 4, 8, 16
     dt = torch.randn(batch, heads)
     A = torch.randn(heads)
@@ -124,8 +124,8 @@ def test_state_update_recognises_expanded_per_head_values():
 def test_small_decode_grids_are_launched_as_programmatic_dependents(monkeypatch):
     """Batch 1 and 8 of the 2.7B mixer (320 and 2,560 blocks) are launched with the flag, batch 64
     (20,480 blocks) without it (NOTES.md, experiment 76)."""
-    from tilegym_mamba2.cutile import selective_state_update as ssu
-    from tilegym_mamba2.serving_validation import check_state_update_args
+    from tilegym_mamba2.cutile.serving import selective_state_update as ssu
+    from tilegym_mamba2.core.serving_validation import check_state_update_args
     seen = []
     monkeypatch.setattr(ssu, "launch", lambda grid, kernel, args, dependent=False: seen.append((grid, dependent)))
     heads, p, n = 80, 64, 128

@@ -1,5 +1,5 @@
 """Every gradient of the scan that involves a state, from the chunk's entry state S and the
-gradient dS of the state it leaves (scan_reference.chunk_grads_reference states the formulas):
+gradient dS of the state it leaves (reference/scan.py, chunk_grads_reference, states the formulas):
 dx = dt * dh b + D * dy, x . (dh b) in fp32 (for ddt) and the log decay's gradient dl of each
 head, and dc, db summed over a block's heads in fp32. Two kernels, each one block per (batch,
 chunk, a few heads of one group), head by head: the columns kernel takes each token as a sender

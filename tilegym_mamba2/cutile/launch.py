@@ -37,7 +37,7 @@ def _dependent_launches(device_index: int) -> bool:
 def current_stream(device_index: int):
     """The current stream of the device, as its raw handle (an int, which ct.launch takes as is):
     torch.cuda.current_stream builds a Stream object each time, ~4 us of host time per launch
-    (benchmarks/NOTES.md, experiment 33). The same stream, so graph capture sees the launches."""
+    (docs/design.md, "Decisions"). The same stream, so graph capture sees the launches."""
     if _raw_stream is None:  # a torch without the raw query
         return torch.cuda.current_stream(device_index)
     return _raw_stream(device_index)
@@ -50,7 +50,7 @@ def tf32_mma(dtype) -> bool:
     """Whether our kernels' mma take fp32 operands as tf32: for fp32 inputs when PyTorch's float32
     matmul precision allows it (torch.set_float32_matmul_precision("high" or "medium"), the switch
     its own matmuls follow). At "highest", the default, fp32 operands stay fp32 (FMA, no tensor
-    cores: benchmarks/NOTES.md, experiment 65)."""
+    cores; tf32 takes the source config's fp32 forward + backward from 89.2 to 6.78 ms)."""
     return dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
 
 

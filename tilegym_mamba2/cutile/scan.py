@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from ..backward import Kernels, group_sums
+from ..core.tensors import group_sums
 from .chunk_cumsum import given_decay_cumsum
 from .chunk_grads import chunk_grads as chunk_grads_kernel
 from .chunk_states_walk import chunk_states_walk
@@ -22,7 +22,7 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     """x [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size] in x's dtype;
     weight, log_decay [batch, tokens, heads] fp32 -> (y in x's dtype or None, final_states fp32,
     varlen_states fp32 with cu_seqlens else None, chunk states for chunk_grads: entry states, one
-    per chunk, and the decay sums), see scan_reference.scan_reference. One segment per chunk;
+    per chunk, and the decay sums), see reference/scan.py. One segment per chunk;
     without ``outputs`` only the state pass runs."""
     batch, tokens, heads, head_size = x.shape
     groups, state_size = b.shape[2], b.shape[3]
@@ -84,5 +84,3 @@ def chunk_grads(x, b, c, dy, a, seq_idx, forward_states, reverse_states, skip, d
         dskip = dskip[:, None]
     return dx, ddt, da.sum((0, 2)), group_sums(db, groups), group_sums(dc, groups), dskip
 
-
-KERNELS = Kernels(scan, chunk_grads, reversed_scan=reversed_scan)

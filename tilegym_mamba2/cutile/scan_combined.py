@@ -1,4 +1,4 @@
-"""The layer op, ``mamba_chunk_scan_combined``, on the same three stages as the plain op.
+"""The layer op's host code, ``mamba_chunk_scan_combined``, on the same three stages as the plain op.
 
 Every option is fused into a stage that already reads the data it needs: dt processing into
 chunk_cumsum, sequence masks into the state pass and compute_out, D and z into compute_out.
@@ -9,41 +9,13 @@ from dataclasses import replace
 
 import torch
 
-from ..autograd import differentiable_scan_combined, wanted
-from ..layer_reference import _returns
-from ..validation import check_scan_combined_args, scan_combined_args, seq_idx_from_cu_seqlens
-from . import compile_errors_explained, config_for, plan, states_and_out
+from ..core.packing import seq_idx_from_cu_seqlens
+from .forward import config_for, states_and_out
 from .chunk_cumsum import chunk_cumsum
 from .sequence_init import add_sequence_initial_states
 from .varlen_states import varlen_states
 
-NO_LIMIT = (0.0, float("inf"))
 VARLEN_MAX_SEGMENT_CHUNKS = 16
-
-
-def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
-                              return_final_states=False, return_varlen_states=False):
-    """See ``tilegym_mamba2.mamba_chunk_scan_combined``. A repeated call's checks and config come
-    from its plan (plan.py), except with packed sequences, whose offsets are checked every call."""
-    if wanted(x, dt, A, B, C, D, z, dt_bias, initial_states):
-        return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                            cu_seqlens, dt_softplus, dt_limit, return_final_states,
-                                            return_varlen_states, "cutile")
-    call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-            return_final_states, return_varlen_states)
-    key = plan.signature("layer", *call) if seq_idx is None and cu_seqlens is None else None
-    config = plan.planned(key)
-    if config is None:
-        args = check_scan_combined_args(*call, backend="cutile")
-    else:
-        args = scan_combined_args(*call)
-    with compile_errors_explained():
-        if config is None:
-            config = layer_config(*args[:14], with_varlen_states=return_varlen_states)
-            plan.remember(key, config)
-        out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states, config=config)
-    return _returns(out, final_states, varlen, return_final_states, return_varlen_states)
 
 
 def layer_config(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
@@ -68,7 +40,7 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
         if seq_idx is None:
             seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
-    # The clamp is applied even at (0, inf), as the definition (layer_reference.process_dt) says.
+    # The clamp is applied even at (0, inf), as the definition (reference/layer.py, process_dt) says.
     dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=dt_bias, softplus=dt_softplus, dt_limit=dt_limit)
     out, final_states, varlen, _ = scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens,
                                                config, with_varlen_states=with_varlen_states)
@@ -88,7 +60,7 @@ def scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seq
     if with_varlen_states or per_sequence_init:
         # Each varlen state walks up to a segment of chunks: shorter segments than the plain op's
         # tuned ones pay here (64 packed sequences, 65536 tokens: 1.41 ms at 32 chunks, 1.30 at 16;
-        # benchmarks/NOTES.md, experiment 13).
+        # the layer op's whole call, varlen states included).
         config = replace(config, chunks_per_segment=min(config.chunks_per_segment, VARLEN_MAX_SEGMENT_CHUNKS))
     chunk = config.chunk_size
     row_init = None if per_sequence_init else initial_states

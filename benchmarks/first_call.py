@@ -1,0 +1,130 @@
+"""The time of an op's first call in a fresh process, compilation and tuning included, and which
+kernels it compiles (GPU). The project's targets: at most 5 s for a forward's first call, 10 s
+for a backward's.
+
+    CUDA_TILE_CACHE_DIR=$(mktemp -d) TILEGYM_MAMBA2_CACHE_DIR=$(mktemp -d) \
+        python benchmarks/first_call.py MODE [--profile]
+
+cuTile keeps compiled kernels on disk (~/.cache/cutile-python) and the package keeps tuned
+choices (TILEGYM_MAMBA2_CACHE_DIR); empty directories make the call cold, as a user's first.
+MODE:
+  plain         mamba2_chunk_forward on the source config (4, 16384, 1, 8, 128, 64)
+  layer         mamba_chunk_scan_combined on the layer bench's 2.7B case, every option on
+  unseen        mamba2_chunk_forward on a shape no benchmark tunes (3, 12000, 1, 24, 128, 64);
+                with a warm cuTile cache, this is a user's new shape
+  backward      mamba2_chunk_forward then mamba2_chunk_backward on the 2.7B layer's shape
+                (2, 8192, 1, 80, 128, 64), as `bench --backward` times it
+  second_shape  the backward mode's call after the same call on the source config in this
+                process: what a second shape compiles again
+It prints one line: the import time, the first call's seconds (forward and backward apart in
+the backward modes), the second call's, how many kernel compiles ran and how long, how many of
+them ran tileiras (the rest were disk-cache hits), and the compiled kernels' names.
+--profile: also cProfile's top functions of the first call (cumulative, then own time).
+"""
+import cProfile
+import pstats
+import sys
+import time
+
+_start = time.perf_counter()
+import cuda.tile._compile as tile_compile  # noqa: E402
+import torch  # noqa: E402
+
+import tilegym_mamba2  # noqa: E402
+from tilegym_mamba2.bench.layer import LAYER_CASES, layer_inputs  # noqa: E402
+from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs  # noqa: E402
+
+IMPORT_SECONDS = time.perf_counter() - _start
+SOURCE, LAYER_2_7B, UNSEEN = (4, 16384, 1, 8, 128, 64), (2, 8192, 1, 80, 128, 64), (3, 12000, 1, 24, 128, 64)
+SHAPES = {"plain": SOURCE, "unseen": UNSEEN, "backward": LAYER_2_7B, "second_shape": LAYER_2_7B}
+
+
+def timed(module, name, log):
+    """Wraps module.name so that each call's seconds are appended to log."""
+    inner = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            log.append(time.perf_counter() - begin)
+    setattr(module, name, wrapper)
+
+
+def watch_compiles():
+    """-> (seconds of each compile_tile call, of each tileiras run, the compiled kernels' names).
+    cuTile imports compile_tile where it is used, at call time, so wrapping the module attribute
+    catches every compile: its front end, the disk-cache lookup and tileiras."""
+    compiles, tileiras_runs, names = [], [], []
+    timed(tile_compile, "compile_tile", compiles)
+    timed(tile_compile, "compile_cubin", tileiras_runs)
+    inner = tile_compile.compile_tile
+
+    def named(function, *args, **kwargs):
+        names.append(function.pyfunc.__name__)
+        return inner(function, *args, **kwargs)
+    tile_compile.compile_tile = named
+    return compiles, tileiras_runs, names
+
+
+def shape_op(shape, backward, forward_seconds):
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=256, device="cuda")
+    inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
+    if not backward:
+        return lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs)
+    dout, dfinal = torch.randn_like(inputs["x"]), torch.randn_like(inputs["init_state"])
+
+    def forward_then_backward():
+        begin = time.perf_counter()
+        tilegym_mamba2.mamba2_chunk_forward(**inputs)
+        torch.cuda.synchronize()
+        forward_seconds.append(time.perf_counter() - begin)
+        tilegym_mamba2.mamba2_chunk_backward(**inputs, dout=dout, dfinal_state=dfinal)
+    return forward_then_backward
+
+
+def main(mode, profile=False):
+    if mode not in ("layer", *SHAPES):
+        sys.exit(f"mode: one of layer {' '.join(SHAPES)}")
+    compiles, tileiras_runs, compiled = watch_compiles()
+    forward_seconds = []
+    if mode == "layer":
+        args, _ = layer_inputs(LAYER_CASES[0])
+        op = lambda: tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=256, backend="cutile")  # noqa: E731
+    else:
+        backward = mode in ("backward", "second_shape")
+        if mode == "second_shape":
+            shape_op(SOURCE, True, forward_seconds)()
+            torch.cuda.synchronize()
+            for log in (compiles, tileiras_runs, compiled, forward_seconds):
+                log.clear()
+        op = shape_op(SHAPES[mode], backward, forward_seconds)
+    torch.cuda.synchronize()
+
+    def call():
+        op()
+        torch.cuda.synchronize()
+
+    profiler = cProfile.Profile() if profile else None
+    start = time.perf_counter()
+    profiler.runcall(call) if profiler else call()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    call()
+    second = time.perf_counter() - start
+    split = (f" (forward {forward_seconds[0]:.2f} s, backward {first - forward_seconds[0]:.2f} s)"
+             if forward_seconds else "")
+    print(f"{mode}: import {IMPORT_SECONDS:.2f} s, first call {first:.2f} s{split}, second call {second:.4f} s; "
+          f"{len(compiles)} kernel compiles took {sum(compiles):.2f} s, {len(tileiras_runs)} of them ran tileiras "
+          f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
+    if profiler:
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1], profile="--profile" in sys.argv[2:])

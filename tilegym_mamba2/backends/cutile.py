@@ -1,0 +1,117 @@
+"""The "cutile" backend: the registry's targets for our kernels.
+
+Each entry point checks its arguments (or takes them from its launch plan on a repeated call),
+then either hands the call to autograd, when a gradient may be wanted, or runs the kernels on
+the current CUDA stream. The backward runs backward.py's algorithm over the kernels' scans.
+"""
+import torch
+
+from ..autograd import differentiable_chunk_forward, differentiable_scan_combined, wanted
+from ..backward import Kernels, chunk_backward, scan_combined_backward
+from ..core.packing import scan_returns
+from ..core.toolchain import compile_errors_explained
+from ..core.validation import (check_backward_args, check_forward_args, check_scan_combined_args, forward_args,
+                               scan_combined_args)
+from ..cutile import plan, scan
+from ..cutile.forward import run_stages
+from ..cutile.scan_combined import layer_config, run_layer
+
+NO_LIMIT = (0.0, float("inf"))
+MAX_STATE = 256  # the widest state a kernel carries; wider ones run in halves
+
+# What backward.py runs on: the forward's kernels as scans, the reversed walk, chunk_grads.
+KERNELS = Kernels(scan.scan, scan.chunk_grads, reversed_scan=scan.reversed_scan)
+
+
+def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
+    """Mamba-2 chunked forward on our cuTile kernels; see ``tilegym_mamba2.mamba2_chunk_forward``.
+    A repeated call's checks and config come from its plan (plan.py)."""
+    if wanted(x, a, b, c, d, dt, init_state):
+        return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, "cutile")
+    if getattr(b, "ndim", 0) == 4 and b.shape[3] > MAX_STATE:
+        return split_state_forward(x, a, b, c, d, dt, init_state, chunk_size)
+    key = plan.signature("forward", x, a, b, c, d, dt, init_state, chunk_size)
+    config = plan.planned(key)
+    if config is None:
+        args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend="cutile")
+    else:
+        args = forward_args(x, a, b, c, d, dt, init_state, chunk_size)
+    with compile_errors_explained():
+        stages = run_stages(*args, config)
+    if config is None:
+        plan.remember(key, stages.config)
+    return stages.out, stages.final_state
+
+
+def split_state_forward(x, a, b, c, d, dt, init_state, chunk_size):
+    """state_size 512: every state column evolves on its own, so the op is the sum of two runs on
+    the halves of b and c (outputs) and their final states side by side. x is read twice."""
+    x, a, b, c, d, dt, init_state, chunk_size = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size,
+                                                                   backend="cutile")
+    outs, finals = [], []
+    for half, skip in ((slice(None, MAX_STATE), d), (slice(MAX_STATE, None), torch.zeros_like(d))):
+        init = None if init_state is None else init_state[..., half]
+        out, final = mamba2_chunk_forward(x, a, b[..., half], c[..., half], skip, dt, init, chunk_size)
+        outs.append(out)
+        finals.append(final)
+    return (outs[0].float() + outs[1].float()).to(x.dtype), torch.cat(finals, -1)
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
+                              return_final_states=False, return_varlen_states=False):
+    """See ``tilegym_mamba2.mamba_chunk_scan_combined``. A repeated call's checks and config come
+    from its plan (plan.py), except with packed sequences, whose offsets are checked every call."""
+    if wanted(x, dt, A, B, C, D, z, dt_bias, initial_states):
+        return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                            cu_seqlens, dt_softplus, dt_limit, return_final_states,
+                                            return_varlen_states, "cutile")
+    call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+            return_final_states, return_varlen_states)
+    key = plan.signature("layer", *call) if seq_idx is None and cu_seqlens is None else None
+    config = plan.planned(key)
+    if config is None:
+        args = check_scan_combined_args(*call, backend="cutile")
+    else:
+        args = scan_combined_args(*call)
+    with compile_errors_explained():
+        if config is None:
+            config = layer_config(*args[:14], with_varlen_states=return_varlen_states)
+            plan.remember(key, config)
+        out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states, config=config)
+    return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
+
+
+def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
+                          state_dtype=torch.float32):
+    """See tilegym_mamba2.mamba2_chunk_backward. ``state_dtype`` is accepted for tilegym's call;
+    states stay fp32."""
+    args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="cutile")
+    with compile_errors_explained():
+        if b.shape[3] <= MAX_STATE:
+            return chunk_backward(KERNELS, *args[:-1])
+        return _split_state_backward(*args[:-1])
+
+
+def _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state):
+    """state_size 512 in two halves (see split_state_forward): gradients that sum over the state
+    (dx, da, ddt) add up, the per-column ones (db, dc, dinit_state) sit side by side."""
+    halves = []
+    for half, skip in ((slice(None, MAX_STATE), d), (slice(MAX_STATE, None), torch.zeros_like(d))):
+        def part(t):
+            return None if t is None else t[..., half].contiguous()
+        halves.append(chunk_backward(KERNELS, x, a, part(b), part(c), skip, dt, part(init_state), dout,
+                                     part(dfinal_state)))
+    (dx1, da1, db1, dc1, dd, ddt1, di1), (dx2, da2, db2, dc2, _, ddt2, di2) = halves
+    return ((dx1.float() + dx2.float()).to(x.dtype), da1 + da2, torch.cat([db1, db2], -1), torch.cat([dc1, dc2], -1),
+            dd, (ddt1.float() + ddt2.float()).to(ddt1.dtype), torch.cat([di1, di2], -1))
+
+
+def mamba_chunk_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None, z=None,
+                                       dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
+                                       dt_softplus=False, dt_limit=NO_LIMIT):
+    """Gradients of mamba_chunk_scan_combined on our kernels (backward.scan_combined_backward)."""
+    with compile_errors_explained():
+        return scan_combined_backward(lambda dtype: KERNELS, dout, dfinal_states, dvarlen_states, x, dt, A, B, C,
+                                      chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                                      dt_limit, backend="cutile")

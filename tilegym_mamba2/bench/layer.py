@@ -1,0 +1,129 @@
+"""The layer op side by side: ``mamba_chunk_scan_combined`` as Mamba-2 mixers call it, ours and
+mamba_ssm's (when installed) on the same inputs in one process, each checked against the
+float64 chunked reference. ``python -m tilegym_mamba2 bench --layer``.
+
+Cases: raw dt with dt_bias and softplus, D per head and z gating (mamba_ssm's Mamba2 defaults),
+on whole rows and on packed batches (cu_seqlens and seq_idx, varlen states returned).
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..reference.layer import chunked_layer_reference, process_dt
+from .forward import measure
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    name: str
+    rows: int
+    tokens: int
+    groups: int
+    heads: int
+    state_size: int
+    head_size: int
+    sequences: int = 1    # > 1: that many random-length sequences packed in batch 1
+
+
+LAYER_CASES = [
+    LayerCase("2.7B layer, 2 rows", 2, 8192, 1, 80, 128, 64),
+    LayerCase("source config, 4 rows", 4, 16384, 1, 8, 128, 64),
+    LayerCase("packed, 64 sequences", 1, 65536, 1, 32, 128, 64, sequences=64),
+    LayerCase("packed prefill, 8 sequences", 1, 4096, 1, 32, 128, 64, sequences=8),
+]
+
+
+def layer_inputs(case: LayerCase, device="cuda", dtype=torch.bfloat16, seed=0):
+    """-> (arguments of mamba_chunk_scan_combined without chunk_size, sequence lengths)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(shape, generator=gen).to(device, dt)
+
+    heads, rows, tokens = case.heads, case.rows, case.tokens
+    args = dict(x=randn(rows, tokens, heads, case.head_size), dt=randn(rows, tokens, heads) * 0.5 - 2.0,
+                A=-torch.exp(torch.empty(heads).uniform_(0.0, 2.77, generator=gen)).to(device),
+                B=randn(rows, tokens, case.groups, case.state_size), C=randn(rows, tokens, case.groups, case.state_size),
+                D=randn(heads, dt=torch.float32), z=randn(rows, tokens, heads, case.head_size),
+                dt_bias=_inverse_softplus(torch.exp(torch.empty(heads).uniform_(-6.9, -2.3, generator=gen))).to(device),
+                dt_softplus=True)
+    lengths = [tokens]
+    if case.sequences > 1:
+        cuts = torch.randperm(tokens - 1, generator=gen)[:case.sequences - 1].add(1).sort().values.tolist()
+        offsets = [0] + cuts + [tokens]
+        lengths = [e - s for s, e in zip(offsets, offsets[1:])]
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=device)
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32),
+                                          torch.tensor(lengths, device=device))[None]
+        args.update(cu_seqlens=cu_seqlens, seq_idx=seq_idx, return_varlen_states=True)
+    return args, lengths
+
+
+def _inverse_softplus(dt0):
+    # Mamba-2's dt_bias initialisation: softplus(dt_bias) = dt0, log-uniform in [1e-3, 1e-1].
+    return dt0 + torch.log(-torch.expm1(-dt0))
+
+
+def implementations():
+    """name -> fn(args, chunk_size) -> out; notes for the ones that are missing."""
+    import tilegym_mamba2
+    found = {"ours": lambda a, chunk: _out(tilegym_mamba2.mamba_chunk_scan_combined(**a, chunk_size=chunk,
+                                                                                   backend="cutile"))}
+    notes = {}
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        found["mamba_ssm"] = lambda a, chunk: _out(mamba_chunk_scan_combined(**a, chunk_size=chunk))
+    except Exception as e:  # its package imports a CUDA extension that may be missing
+        notes["mamba_ssm"] = f"not importable ({type(e).__name__})"
+    return found, notes
+
+
+def _out(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def run_layer_bench(cases=LAYER_CASES, chunk_size=256, log=print):
+    impls, notes = implementations()
+    for name, note in notes.items():
+        log(f"{name}: skipped, {note}")
+    rows = []
+    for case in cases:
+        args, lengths = layer_inputs(case)
+        ref = _reference(args, chunk_size)
+        for name, fn in impls.items():
+            start = time.perf_counter()
+            out = fn(args, chunk_size)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            got = out[:1].double()
+            err = ((got - ref).norm() / ref.norm()).item() if not torch.isnan(got).any() else float("nan")
+            ms = measure(lambda: fn(args, chunk_size))
+            rows.append(dict(case=case.name, impl=name, ms=ms, rel_err=err, first_call_s=first))
+            log(f"{case.name:32s} {name:10s} {ms:8.3f} ms  err {err:.1e}  first call {first:.1f} s"
+                + (f"  ({len(lengths)} sequences)" if len(lengths) > 1 else ""))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _reference(args, chunk_size):
+    """float64 chunked reference for the first row (exact against the layer's definition)."""
+    first = {k: (v[:1] if isinstance(v, torch.Tensor) and k in ("x", "dt", "B", "C", "z", "seq_idx") else v)
+             for k, v in args.items()}
+    dt = process_dt(first["dt"], first["dt_bias"], True, dtype=torch.float64)
+    out, _, _ = chunked_layer_reference(first["x"], dt, first["A"], first["B"], first["C"], D=first["D"],
+                                        z=first["z"], seq_idx=first.get("seq_idx"),
+                                        cu_seqlens=first.get("cu_seqlens"), chunk_size=64)
+    return out
+
+
+def layer_table(rows) -> str:
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["impl"]] = r["ms"]
+    lines = ["| case | ours ms | mamba_ssm ms | mamba_ssm / ours |", "| --- | --- | --- | --- |"]
+    for case, times in by_case.items():
+        ours, theirs = times.get("ours"), times.get("mamba_ssm")
+        ratio = f"{theirs / ours:.2f}x" if ours and theirs else "—"
+        lines.append(f"| {case} | {ours:.3f} | " + (f"{theirs:.3f}" if theirs else "—") + f" | {ratio} |")
+    return "\n".join(lines)

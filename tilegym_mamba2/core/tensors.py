@@ -1,0 +1,27 @@
+"""Small tensor helpers shared by the references, the backward and the backends."""
+import torch
+
+
+def compute_dtype(*tensors) -> torch.dtype:
+    """The dtype the PyTorch paths compute in: float64 when any input is float64, else float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def expand_groups(bc: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, tokens, groups, n] -> [batch, tokens, heads, n]: head h reads group h // (heads // groups).
+    A view where there is one group or one group per head."""
+    groups = bc.shape[2]
+    if groups == heads:
+        return bc
+    if groups == 1:
+        return bc.expand(-1, -1, heads, -1)
+    return bc.repeat_interleave(heads // groups, dim=2)
+
+
+def group_sums(per_head: torch.Tensor, groups: int, dtype=torch.float32) -> torch.Tensor:
+    """[batch, tokens, heads (or blocks of a group's heads), n] -> [batch, tokens, groups, n],
+    summed in ``dtype``: the gradient of a group's B or C is the sum over the heads that read it."""
+    batch, tokens, heads, n = per_head.shape
+    if heads == groups:
+        return per_head.to(dtype)
+    return per_head.view(batch, tokens, groups, heads // groups, n).sum(3, dtype=dtype)

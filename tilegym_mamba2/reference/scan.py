@@ -1,0 +1,176 @@
+"""The linear scan that the forward and the backward are both made of, in plain PyTorch.
+
+Per batch row and head, with state h of shape [head_size, state_size]:
+
+    h_t = exp(log_decay_t) h_{t-1} + weight_t x_t b_t^T,    y_t = h_t c_t
+
+The forward op is this scan with weight = dt and log_decay = a * dt (plus d * x). The
+backward runs it three more times with other roles (backward.py): the gradient of the state
+obeys the same recurrence backwards in time, and the transposed state gives dC and dB.
+
+Packed sequences as in the layer op: no state crosses a sequence boundary; ``init`` is
+[batch, ...] (each row's sequence 0) or, with cu_seqlens, [num_sequences, ...] (one per
+sequence). This is the "pytorch" backend's scan; cutile/scan.py runs the same scans on the kernels.
+"""
+import math
+
+import torch
+
+from ..core.packing import seq_idx_from_cu_seqlens, sequences
+from ..core.tensors import expand_groups
+from .ssd import chunk_output_reference, chunk_states_reference, chunked as chunked_tokens, decay_cumsum_reference
+
+
+def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *, chunk_size=64,
+                   dtype=torch.float32, chunk_states=False, outputs=True):
+    """x [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
+    weight, log_decay [batch, tokens, heads] (natural log) -> (y [batch, tokens, heads, head_size],
+    final_states [batch, heads, head_size, state_size], varlen_states [num_sequences, ...] with
+    cu_seqlens else None), all in ``dtype``. Each sequence is scanned on its own.
+    ``chunk_states``: a fourth value, (chunk_entry_states(...), weight, log_decay), as the cutile
+    scan gives chunk_grads; without ``outputs`` y is None."""
+    if chunk_states:
+        batch = x.shape[0]
+        if cu_seqlens is not None and seq_idx is None:
+            seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
+        # Per-sequence initial states stay out of the chunk states, as in the kernels.
+        row_init = None if init is not None and cu_seqlens is not None and init.shape[0] != batch else init
+        states = chunk_entry_states(x, b, weight, log_decay, row_init, seq_idx, chunk_size, dtype)
+        y, final_states, varlen = scan_reference(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens,
+                                                 chunk_size=chunk_size, dtype=dtype)
+        return (y if outputs else None), final_states, varlen, (states, weight, log_decay)
+    batch, tokens, heads, head_size = x.shape
+    ones = torch.ones(heads, dtype=dtype, device=x.device)
+    no_skip = torch.zeros(heads, dtype=dtype, device=x.device)
+    y = torch.zeros(batch, tokens, heads, head_size, dtype=dtype, device=x.device)
+    final_states = torch.zeros(batch, heads, head_size, b.shape[3], dtype=dtype, device=x.device)
+    ends = []
+    for row, start, end, start_state in sequences(seq_idx, cu_seqlens, init, batch, tokens):
+        part = slice(row, row + 1), slice(start, end)
+        decay_cumsum = decay_cumsum_reference(ones, log_decay[part], chunk_size, dtype=dtype)
+        states, h = chunk_states_reference(x[part], b[part], weight[part], decay_cumsum, start_state, chunk_size,
+                                           dtype=dtype)
+        y[part] = chunk_output_reference(x[part], b[part], c[part], no_skip, weight[part], decay_cumsum, states,
+                                         chunk_size, dtype=dtype)
+        ends.append(h[0])
+        final_states[row] = h[0]
+    return y, final_states, (torch.stack(ends) if cu_seqlens is not None else None)
+
+
+def _chunked_sequences(seq_idx, x, chunk_size):
+    """Each token's sequence, [batch, chunks, chunk_size] (padding repeats the last token's)."""
+    batch, tokens = x.shape[:2]
+    pad = -tokens % chunk_size
+    if seq_idx is None:
+        seq = torch.zeros(batch, tokens + pad, dtype=torch.long, device=x.device)
+    else:
+        seq = torch.cat([seq_idx.long(), seq_idx[:, -1:].long().expand(-1, pad)], 1)
+    return seq.reshape(batch, -1, chunk_size)
+
+
+def chunk_entry_states(x, b, weight, log_decay, init, seq_idx, chunk_size, dtype):
+    """The state entering each chunk of ``chunk_size`` tokens, [batch, chunks, heads, head_size,
+    state_size] in ``dtype``: that of the sequence of the token before the chunk (a row's initial
+    state enters its sequence 0). Chunk by chunk as the state pass at one chunk per segment:
+    a chunk adds the tokens of the sequence it ends in, decayed to its end, and keeps the
+    carried state, decayed through the chunk, only if that sequence began before it."""
+    batch, tokens, heads, head_size = x.shape
+    chunks = -(-tokens // chunk_size)
+
+    def chunked(t):
+        return chunked_tokens(t, chunk_size, dtype)
+
+    xc, bc = chunked(x), chunked(expand_groups(b, heads))
+    w, g = chunked(weight), chunked(log_decay).cumsum(2)                         # [B, K, L, H]
+    g_end = g[:, :, -1]                                                          # [B, K, H]
+    seq = _chunked_sequences(seq_idx, x, chunk_size)
+    end_seq = seq[:, :, -1:]
+    before = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)                      # [B, K]
+    weights = w * torch.exp(g_end[:, :, None] - g) * (seq == end_seq)[..., None]  # [B, K, L, H]
+    local = torch.einsum("bklh,bklhp,bklhn->bkhpn", weights, xc, bc)
+    keep = torch.exp(g_end) * (before == end_seq[..., 0])[..., None]             # [B, K, H]
+    state = torch.zeros(batch, heads, head_size, b.shape[3], dtype=dtype, device=x.device)
+    if init is not None:
+        state = init.to(dtype) * (seq[:, 0, 0] == 0)[:, None, None, None]
+    entries = []
+    for k in range(chunks):
+        entries.append(state)
+        state = keep[:, k, :, None, None] * state + local[:, k]
+    return torch.stack(entries, 1)
+
+
+def chunk_grads_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads, seq_idx=None, *, chunk_size):
+    """Every gradient of the scan that involves a state, chunk by chunk, from the state S entering
+    each chunk (of the sequence carried in) and the gradient dS of the state after it (of the
+    sequence that goes on past it); the kernel cutile/chunk_grads.py computes the same. With g the
+    in-chunk sums of log decay, G their total, D_ts = exp(g_t - g_s) for s <= t in one sequence
+    (else 0), and dh_t = sum_{t' >= t} D_t't dy_t' c_t'^T + exp(G - g_t) dS the state's gradient:
+
+        dxs_t = dh_t b_t = sum_{t' >= t} D_t't (c_t' . b_t) dy_t' + exp(G - g_t) dS b_t
+        dc_t = h_t^T dy_t = exp(g_t) S^T dy_t + sum_{s <= t} D_ts w_s (dy_t . x_s) b_s
+        db_s = w_s dh_s^T x_s = w_s (sum_{t >= s} D_ts (dy_t . x_s) c_t + exp(G - g_s) dS^T x_s)
+        dl_u = <dh_u, exp(l_u) h_{u-1}>
+             = sum_{s < u <= t} D_ts w_s (c_t . b_s)(dy_t . x_s) + sum_{t >= u} exp(g_t) dy_t . (S c_t)
+             + sum_{s < u} w_s exp(G - g_s) x_s . (dS b_s) + exp(G) <dS, S>
+
+    (the S terms only for tokens of the sequence carried in, the dS terms only for tokens of the
+    one going on). No term is a long sum: each is a product of quantities within one chunk.
+
+    x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size]; weight,
+    log_decay [batch, tokens, heads]; entry_states, end_grads [batch, chunks, heads, head_size,
+    state_size]; seq_idx [batch, tokens] or None -> (dxs like x, ddt_input = x . dxs and dl
+    [batch, tokens, heads], db, dc like b summed over each group's heads), in the states' dtype."""
+    batch, tokens, heads, _ = x.shape
+    groups = b.shape[2]
+    dtype = entry_states.dtype
+    L = chunk_size
+    chunks = -(-tokens // L)
+
+    def chunked(t):
+        return chunked_tokens(t, L, dtype)
+
+    def unchunked(t):
+        return t.reshape(batch, chunks * L, *t.shape[3:])[:, :tokens]
+
+    rep = heads // groups
+    xc, dyc = chunked(x), chunked(dy)
+    bc, cc = chunked(expand_groups(b, heads)), chunked(expand_groups(c, heads))
+    w, g = chunked(weight), chunked(log_decay).cumsum(2)          # [B, K, L, H]
+    g_end = g[:, :, -1:]
+    seq = _chunked_sequences(seq_idx, x, L)
+    carried = (torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)[..., None] == seq)[..., None]   # [B, K, L, 1]
+    going_on = (torch.cat([seq[:, 1:, 0], seq[:, -1:, -1]], 1)[..., None] == seq)[..., None]
+
+    same = (seq[..., :, None] == seq[..., None, :])[:, :, None]                     # [B, K, 1, L, L]
+    at_or_before = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()       # [t, s]: s <= t
+    gh = g.permute(0, 1, 3, 2)                                                       # [B, K, H, L]
+    decay = torch.exp((gh[..., :, None] - gh[..., None, :]).masked_fill(~(at_or_before & same), -math.inf))
+    scores = torch.einsum("bkthn,bkshn->bkhts", cc, bc)                              # c_t . b_s
+    products = torch.einsum("bkthp,bkshp->bkhts", dyc, xc)                           # dy_t . x_s
+    from_end = torch.exp(g_end - g) * going_on                                       # [B, K, L, H]
+    into = torch.exp(g) * carried
+
+    dxs = (torch.einsum("bkhts,bkthp->bkshp", decay * scores, dyc)
+           + from_end[..., None] * torch.einsum("bkhpn,bklhn->bklhp", end_grads, bc))
+    dc = (into[..., None] * torch.einsum("bkhpn,bkthp->bkthn", entry_states, dyc)
+          + torch.einsum("bkhts,bkshn->bkthn", decay * products * w.permute(0, 1, 3, 2)[..., None, :], bc))
+    db = w[..., None] * (torch.einsum("bkhts,bkthn->bkshn", decay * products, cc)
+                         + from_end[..., None] * torch.einsum("bkhpn,bklhp->bklhn", end_grads, xc))
+
+    # dl: pairs s < u <= t, the sum over t >= u of the sum over s < u
+    pairs = decay * w.permute(0, 1, 3, 2)[..., None, :] * scores * products          # [B, K, H, t, s]
+    before_u = pairs.cumsum(-1) - pairs
+    dl = (before_u * at_or_before).sum(-2).permute(0, 1, 3, 2)                       # [B, K, L, H]
+    received = into * torch.einsum("bklhp,bkhpn,bklhn->bklh", dyc, entry_states, cc)
+    dl = dl + received.flip(2).cumsum(2).flip(2)
+    sent = w * from_end * torch.einsum("bklhp,bkhpn,bklhn->bklh", xc, end_grads, bc)
+    dl = dl + sent.cumsum(2) - sent
+    through = torch.exp(g_end) * (end_grads * entry_states).sum((-1, -2))[:, :, None]
+    dl = dl + through * (carried & going_on)
+
+    def per_group(t):  # [B, K, L, H, N] -> [B, K, L, G, N]
+        return t.reshape(*t.shape[:3], groups, rep, t.shape[-1]).sum(4)
+
+    dxs = unchunked(dxs)
+    return (dxs, (x.to(dtype) * dxs).sum(-1), unchunked(dl), unchunked(per_group(db)),
+            unchunked(per_group(dc)))
