@@ -91,7 +91,8 @@ def state_traffic_kernel(x, b, dt_bht, decay_cumsum, sink, chunks_per_segment, c
         acc_x = acc_x + x_tile.astype(ct.float32) * (dt_tile + g)[:, None]
         acc_b = acc_b + b_t.astype(ct.float32)
     block = (batch_head * ct.num_blocks(1) + segment) * ct.num_blocks(2) + tile
-    ct.store(sink, (block, 0), (ct.sum(acc_x, axis=0) + ct.sum(acc_b, axis=1)).reshape((1, head_tile)))
+    # acc_b reduced whole: its rows (state_tile) need not match acc_x's columns (head_tile).
+    ct.store(sink, (block, 0), (ct.sum(acc_x, axis=0) + ct.sum(acc_b)).reshape((1, head_tile)))
 
 
 @ct.kernel(occupancy=2)

@@ -1,5 +1,5 @@
-"""tilegym 1.5.1's own cuTile forward + backward next to ours on the source config, within one
-10-minute GPU call (GPU).
+"""tilegym 1.5.1's own cuTile forward + backward next to ours on the source config, in about
+ten minutes (GPU).
 
     python benchmarks/tilegym_backward.py
 

@@ -440,8 +440,8 @@ def test_chunk_entry_states_are_the_token_states(seq):
 
 def test_gated_dy_keeps_what_its_rounding_left_out():
     """With z, dy = dout * z * sigmoid(z) * ... is not a bf16 number: chunk_grads gets it as two
-    bf16 terms (experiment 48). On the pytorch backend, in fp32, dA's error against float64 with
-    the second term and without it (it was 2-10x larger without)."""
+    bf16 terms, so that its rounding does not reach dA. On the pytorch backend, in fp32, dA's
+    error against float64 with the second term and without it (it was 2-10x larger without)."""
     from tilegym_mamba2.backward import Kernels
     from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
 

@@ -203,9 +203,9 @@ def test_layer_autograd_matches_float64(name, dtype):
 
 
 # One value per head (dA, dD per head, ddt_bias) is a sum over all 4096 tokens: its rounding error
-# is a few values drawn at random, not an average. Over 32 seeds (run67) ours / mamba_ssm for the
-# mixer's ddt_bias was 0.81-2.02 per seed, geometric mean 1.16, both at 0.9e-3 - 7.6e-3, and one
-# seed in about 25 failed a per-seed bound of 1.5x (run60, run65). Such gradients are judged on the
+# is a few values drawn at random, not an average. Over 32 seeds ours / mamba_ssm for the mixer's
+# ddt_bias was 0.81-2.02 per seed, geometric mean 1.16, both at 0.9e-3 - 7.6e-3, and one seed in
+# about 25 failed a per-seed bound of 1.5x whatever the code. Such gradients are judged on the
 # geometric mean over SEEDS seeds, at 1.5x mamba_ssm's or below one bf16 ulp (2 ** -8); per-token
 # gradients on every seed.
 PER_HEAD_FLOOR = 2.0 ** -8
@@ -258,7 +258,7 @@ def gradient_errors_next_to_mamba_ssm(ssd, name, seed):
         if ERRORS_LOG:
             with open(ERRORS_LOG, "a") as log:
                 log.write(f"vs_mamba_ssm[{name}] seed={seed} d{n}: ours={e_ours:.2e} mamba_ssm={e_theirs:.2e}\n")
-                if n == "A":  # per head, with A: where dA's rounding error sits (NOTES.md, experiment 42)
+                if n == "A":  # per head, with A: dA's rounding error sits in a few heads, not in all
                     for label, grad in (("ours", ours), ("mamba_ssm", theirs)):
                         errors = ((grad.double() - ref).abs() / ref.abs()).tolist()
                         log.write(f"  dA per head, {label}: " + " ".join(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tilegym_mamba2.bench import serving as bs
+from tilegym_mamba2.bench import serving_ops as so
 from tilegym_mamba2.backends.pytorch import (causal_conv1d_fn_pytorch, causal_conv1d_update_pytorch,
                                               selective_state_update_pytorch)
 
@@ -35,40 +36,40 @@ def rel(got, ref):
 # ---------------------------------------------------------------------------------------- cases
 
 def test_cases_are_the_issue_shapes():
-    state = [c for c in bs.STATE_CASES if not c.graph and not c.indices]
+    state = [c for c in so.STATE_CASES if not c.graph and not c.indices]
     assert [c.batch for c in state] == [1, 8, 64, 256]
-    assert any(c.indices and c.batch == 64 for c in bs.STATE_CASES)
-    assert any(c.graph for c in bs.STATE_CASES)
-    assert {c.seqlen for c in bs.CONV_CASES} == {2048, 8192} and all(c.batch == 1 for c in bs.CONV_CASES)
-    assert [c.batch for c in bs.CONV_UPDATE_CASES] == [1, 64, 256]
-    for c in bs.OP_CASES:  # Mamba2-2.7B's mixer
+    assert any(c.indices and c.batch == 64 for c in so.STATE_CASES)
+    assert any(c.graph for c in so.STATE_CASES)
+    assert {c.seqlen for c in so.CONV_CASES} == {2048, 8192} and all(c.batch == 1 for c in so.CONV_CASES)
+    assert [c.batch for c in so.CONV_UPDATE_CASES] == [1, 64, 256]
+    for c in so.OP_CASES:  # Mamba2-2.7B's mixer
         assert (c.heads, c.head_size, c.state_size, c.groups, c.width) == (80, 64, 128, 1, 4)
         assert c.conv_dim == 5376
     m = bs.MODEL_CASE
     assert (m.layers, m.hidden, m.heads, m.head_dim, m.state_size, m.groups) == (2, 2560, 80, 64, 128, 1)
     assert m.heads * m.head_dim == m.expand * m.hidden and m.prefill_tokens == 2048
-    assert len({(c.op, c.name) for c in bs.OP_CASES}) == len(bs.OP_CASES)  # table rows stay apart
+    assert len({(c.op, c.name) for c in so.OP_CASES}) == len(so.OP_CASES)  # table rows stay apart
 
 
 def test_floor_bytes():
-    one = bs.ServingCase("selective_state_update", 1)
-    assert bs.floor_bytes(one) == 2 * 80 * 64 * 128 * 4                       # fp32 state in and out
-    assert bs.floor_bytes(dataclasses.replace(one, batch=64, indices=True)) == 64 * bs.floor_bytes(one)
-    assert bs.floor_bytes(bs.ServingCase("causal_conv1d_fn", 1, seqlen=2048)) == 2 * 5376 * 2048 * 2
-    assert bs.floor_bytes(bs.ServingCase("causal_conv1d_update", 2)) == 2 * 5376 * (2 * 4 + 2) * 2
+    one = so.ServingCase("selective_state_update", 1)
+    assert so.floor_bytes(one) == 2 * 80 * 64 * 128 * 4                       # fp32 state in and out
+    assert so.floor_bytes(dataclasses.replace(one, batch=64, indices=True)) == 64 * so.floor_bytes(one)
+    assert so.floor_bytes(so.ServingCase("causal_conv1d_fn", 1, seqlen=2048)) == 2 * 5376 * 2048 * 2
+    assert so.floor_bytes(so.ServingCase("causal_conv1d_update", 2)) == 2 * 5376 * (2 * 4 + 2) * 2
 
 
 def test_names():
-    assert bs.ServingCase("selective_state_update", 64, indices=True, graph=True).name == \
+    assert so.ServingCase("selective_state_update", 64, indices=True, graph=True).name == \
         "batch 64, state_batch_indices, CUDA graph"
-    assert bs.ServingCase("causal_conv1d_fn", 1, seqlen=8192).name == "batch 1, seqlen 8192"
+    assert so.ServingCase("causal_conv1d_fn", 1, seqlen=8192).name == "batch 1, seqlen 8192"
 
 
 # ------------------------------------------------------------------------ inputs as HF passes them
 
 def test_state_update_inputs_are_hf_style():
-    case = tiny(bs.ServingCase("selective_state_update", 3, indices=True))
-    a = bs.state_update_inputs(case, device="cpu")
+    case = tiny(so.ServingCase("selective_state_update", 3, indices=True))
+    a = so.state_update_inputs(case, device="cpu")
     p, n = case.head_size, case.state_size
     assert a["dt"].stride(2) == 0 and a["dt_bias"].stride(1) == 0 and a["D"].stride(1) == 0
     assert a["A"].stride()[1:] == (0, 0) and a["A"].shape == (case.heads, p, n) and (a["A"] < 0).all()
@@ -79,9 +80,9 @@ def test_state_update_inputs_are_hf_style():
 
 
 def test_conv_inputs_are_channel_last():
-    a = bs.conv_inputs(tiny(bs.CONV_CASES[0]), device="cpu")
+    a = so.conv_inputs(tiny(so.CONV_CASES[0]), device="cpu")
     assert a["x"].shape == (1, TINY["heads"] * TINY["head_size"] + 2 * 2 * 16, 37) and a["x"].stride(1) == 1
-    u = bs.conv_update_inputs(tiny(bs.CONV_UPDATE_CASES[1]), device="cpu")
+    u = so.conv_update_inputs(tiny(so.CONV_UPDATE_CASES[1]), device="cpu")
     assert u["conv_state"].shape[-1] == 4 == u["weight"].shape[1]  # HF's cache keeps width entries
 
 
@@ -89,21 +90,21 @@ def test_conv_inputs_are_channel_last():
 
 @pytest.mark.parametrize("indices", [False, True])
 def test_torch_state_update_matches_the_pytorch_backend(indices):
-    case = tiny(bs.ServingCase("selective_state_update", 3, indices=indices))
-    a = bs.state_update_inputs(case, device="cpu", dtype=torch.float32)
+    case = tiny(so.ServingCase("selective_state_update", 3, indices=indices))
+    a = so.state_update_inputs(case, device="cpu", dtype=torch.float32)
     ref_state, state = a["state"].clone(), a["state"].clone()
     ref = selective_state_update_pytorch(**{**a, "state": ref_state})
-    out = bs.torch_state_update(**{**a, "state": state})
+    out = so.torch_state_update(**{**a, "state": state})
     assert rel(out, ref) < 1e-5 and rel(state, ref_state) < 1e-6
 
 
 def test_torch_convolutions_match_the_pytorch_backend():
-    a = bs.conv_inputs(tiny(bs.CONV_CASES[0]), device="cpu", dtype=torch.float32)
-    assert rel(bs.torch_conv(**a), causal_conv1d_fn_pytorch(**a)) < 1e-6
-    u = bs.conv_update_inputs(tiny(bs.CONV_UPDATE_CASES[1]), device="cpu", dtype=torch.float32)
+    a = so.conv_inputs(tiny(so.CONV_CASES[0]), device="cpu", dtype=torch.float32)
+    assert rel(so.torch_conv(**a), causal_conv1d_fn_pytorch(**a)) < 1e-6
+    u = so.conv_update_inputs(tiny(so.CONV_UPDATE_CASES[1]), device="cpu", dtype=torch.float32)
     state = u["conv_state"].clone()
     ref = causal_conv1d_update_pytorch(**u)
-    out = bs.torch_conv_update(**{**u, "conv_state": state})
+    out = so.torch_conv_update(**{**u, "conv_state": state})
     assert rel(out, ref) < 1e-6 and torch.equal(state, u["conv_state"])
 
 
@@ -111,19 +112,19 @@ def test_torch_convolutions_match_the_pytorch_backend():
 
 def test_op_case_checks_then_times_every_implementation():
     emitted = []
-    rows = bs.bench_op_case(tiny(bs.STATE_CASES[1]), wall_timer, device="cpu", backend="pytorch",
+    rows = so.bench_op_case(tiny(so.STATE_CASES[1]), wall_timer, device="cpu", backend="pytorch",
                             log=lambda line: None, emit=emitted.append)
     names = [r["impl"] for r in rows]
     assert names[0] == "ours" and "torch" in names
-    assert all(r["us"] > 0 and r["rel_err"] < bs.TOLERANCE for r in rows)
-    assert rows[0]["rel_err_vs"]["torch"] < bs.TOLERANCE
+    assert all(r["us"] > 0 and r["rel_err"] < so.TOLERANCE for r in rows)
+    assert rows[0]["rel_err_vs"]["torch"] < so.TOLERANCE
     assert [r for r in emitted if r is not None] == rows
 
 
 def test_graph_case_without_cuda_is_a_note_not_a_crash():
     if torch.cuda.is_available():
         pytest.skip("on a GPU the graph is captured")
-    rows = bs.bench_op_case(tiny(bs.STATE_CASES[-1]), wall_timer, device="cpu", backend="pytorch",
+    rows = so.bench_op_case(tiny(so.STATE_CASES[-1]), wall_timer, device="cpu", backend="pytorch",
                             log=lambda line: None)
     assert all(r["us"] is None and "CUDA graphs need CUDA" in r["note"] for r in rows)
     assert rows[0]["rel_err"] is not None  # checked before the timing failed
@@ -131,7 +132,7 @@ def test_graph_case_without_cuda_is_a_note_not_a_crash():
 
 def test_whole_run_on_tiny_shapes_writes_json_table_and_png(tmp_path):
     pytest.importorskip("transformers")
-    cases = [tiny(c) for c in (bs.STATE_CASES[0], bs.STATE_CASES[4], bs.CONV_CASES[0], bs.CONV_UPDATE_CASES[0])]
+    cases = [tiny(c) for c in (so.STATE_CASES[0], so.STATE_CASES[4], so.CONV_CASES[0], so.CONV_UPDATE_CASES[0])]
     out = tmp_path / "serving.json"
     result = bs.run_serving_bench(cases, TINY_MODEL, device="cpu", backend="pytorch", timer=wall_timer,
                                   out_json=str(out), log=lambda line: None)
@@ -145,19 +146,19 @@ def test_whole_run_on_tiny_shapes_writes_json_table_and_png(tmp_path):
     assert all(r["us"] and r["us"] > 0 for r in model), model
     assert any(r.get("tokens_per_s") for r in model)
     assert "selective_state_update 2" in saved["notes"]["model calls"]  # the patched model ran ours
-    table = bs.serving_table(saved["rows"], bandwidth=None)
+    table = so.serving_table(saved["rows"], bandwidth=None)
     assert len(table.splitlines()) == 2 + len(cases) + 1 + len(TINY_MODEL.decode_batches)
     pytest.importorskip("matplotlib")
-    bs.plot_serving(saved["rows"], str(tmp_path / "serving.png"))
+    so.plot_serving(saved["rows"], str(tmp_path / "serving.png"))
     assert (tmp_path / "serving.png").stat().st_size > 1000
 
 
 def test_a_failing_part_leaves_the_others(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
-    monkeypatch.setattr(bs, "conv_inputs", broken)
-    monkeypatch.setitem(bs.OPS, "causal_conv1d_fn", (broken, None, "causal_conv1d_fn_pytorch"))
-    cases = [tiny(bs.CONV_CASES[0]), tiny(bs.CONV_UPDATE_CASES[0])]
+    monkeypatch.setattr(so, "conv_inputs", broken)
+    monkeypatch.setitem(so.OPS, "causal_conv1d_fn", (broken, None, "causal_conv1d_fn_pytorch"))
+    cases = [tiny(so.CONV_CASES[0]), tiny(so.CONV_UPDATE_CASES[0])]
     result = bs.run_serving_bench(cases, None, device="cpu", backend="pytorch", timer=wall_timer,
                                   out_json=str(tmp_path / "s.json"), log=lambda line: None)
     assert "boom" in result["notes"][f"causal_conv1d_fn, {cases[0].name}"]
@@ -183,7 +184,7 @@ ROWS = [
 
 
 def test_table_gives_ratios_bandwidth_floor_and_flags():
-    lines = bs.serving_table(json.loads(json.dumps(ROWS)), bandwidth=4.2e12).splitlines()
+    lines = so.serving_table(json.loads(json.dumps(ROWS)), bandwidth=4.2e12).splitlines()
     header, _, state, conv, decode = lines
     assert "ours GB/s" in header and "floor" in header
     assert "mamba_ssm 100.0 us" in state and "mamba_ssm 1.25x" in state and "torch failed" in state
@@ -194,8 +195,8 @@ def test_table_gives_ratios_bandwidth_floor_and_flags():
 
 
 def test_table_without_bandwidth_gives_floor_bytes_and_notes_list():
-    assert "335.5 MB" in bs.serving_table(ROWS[:1])
-    assert bs.notes_text({"a": "b", "c": "d"}) == "- a: b\n- c: d"
+    assert "335.5 MB" in so.serving_table(ROWS[:1])
+    assert so.notes_text({"a": "b", "c": "d"}) == "- a: b\n- c: d"
 
 
 def test_command_line_knows_serving(capsys):

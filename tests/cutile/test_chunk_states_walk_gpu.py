@@ -70,7 +70,7 @@ def test_forward_walk_gives_the_state_pass_bits(batch, tokens, groups, heads, st
         config = replace(choose_config(batch, tokens, groups, heads, head, state, 64, x.device), chunks_per_segment=1)
         want_entry, want_final = fwd_pass_state(x, b, weight_bht, decay_cumsum, init, 64, config, seq_idx=seq)
     assert not entry.isnan().any() and not final.isnan().any(), f"seed={seed}: an unwritten state"
-    # The walk stores its entry states in x's dtype (experiment 63): the state pass's, rounded once.
+    # The walk stores its entry states in x's dtype (half fp32's bytes): the state pass's, rounded once.
     assert entry.dtype == x.dtype, f"entry states in {entry.dtype}, not x's dtype {x.dtype}"
     assert torch.equal(entry, want_entry.to(x.dtype)) and torch.equal(final, want_final), f"seed={seed}"
 

@@ -92,7 +92,7 @@ def test_one_segment_per_row_skips_the_state_pass():
                                                   ("float32", "medium", True), ("bfloat16", "high", False)])
 def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
     """Every backward kernel with an mma is told to take tf32 operands exactly for fp32 inputs
-    under a float32 matmul precision other than "highest" (experiment 65), and the caller's
+    under a float32 matmul precision other than "highest" (as PyTorch's matmuls do), and the caller's
     precision is left as it was."""
     pytest.importorskip("cuda.tile")
 
@@ -118,7 +118,7 @@ def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
 def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     """As the backward's: every forward kernel with an mma, the plain op's (C·B^T from
     group_scores and in compute_out) and the layer op's packed-sequence ones, is told to take tf32
-    operands exactly for fp32 inputs under a precision other than "highest" (experiment 70)."""
+    operands exactly for fp32 inputs under a precision other than "highest", as PyTorch's matmuls do."""
     pytest.importorskip("cuda.tile")
     from dataclasses import replace
 

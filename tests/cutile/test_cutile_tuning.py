@@ -146,7 +146,7 @@ def test_whole_rows_are_a_candidate_where_their_blocks_fill_the_gpu_or_the_row_i
 
 
 def test_compute_out_hints_follow_the_state_size():
-    # (batch, tokens, groups, heads, head_size, state_size, chunk); NOTES.md, experiments 24 and 26
+    # (batch, tokens, groups, heads, head_size, state_size, chunk); why: choose_config's comments
     source, wide = choose_config(4, 16384, 1, 8, 64, 128, 128), choose_config(2, 8192, 8, 64, 64, 256, 128)
     assert (source.out_load_latency, source.out_occupancy) == (1, 2)
     assert (wide.out_load_latency, wide.out_occupancy) == (0, 1)

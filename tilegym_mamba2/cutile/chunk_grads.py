@@ -6,16 +6,16 @@ chunk, a few heads of one group), head by head: the columns kernel takes each to
 (dx, ddt_input, db, dl's terms of tokens before u), then the rows kernel each token as a
 receiver (dc, dl's terms of tokens from u on, added to dl). One kernel doing both took 0.85 ms
 where the two take 0.52 on the source config, 2.06 against 1.22 on the 2.7B layer, dd's sum
-included (experiments 53-56, run52-run56).
+included.
 
 Summing per-token terms of the forward and backward outputs over the rest of the sequence
 gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
 thousands of tokens and bf16 rounding is left: 0.04-0.2 relative error in ddt measured on the
-H200 (benchmarks/NOTES.md). Here every term is a sum of products within one chunk.
+H200 (in-chunk sums: 1.7-3.3e-3). Here every term is a sum of products within one chunk.
 
 The two chunk-by-chunk products, c_t . b_s and dy_t . x_s, each serve two gradients: with the
 decay D_ts they give dxs (and dl) and dc, db (and dl). Scanning the transposed state for dc and
-db instead (the first backward) ran two more passes over every token (experiment 34).
+db instead (the first backward) ran two more passes over every token (docs/design.md, "Decisions").
 
 Entry states are stored transposed, [.., chunks * state_size, head_size], as the state pass
 leaves them; the reversed scan's are in reversed chunk order, before its shifted decay (so
@@ -28,10 +28,10 @@ from .compute_out import NO_SKIP, SKIP_PER_CHANNEL, SKIP_PER_HEAD
 from .launch import launch, new_output, tf32_mma
 
 # Heads whose db or dc one block sums: fewer, fp32 partial sums, and c . b once for them all,
-# against fewer blocks in flight. Experiment 41 (run33): 2.7B layer backward 4.97 / 4.62 / 4.50 /
+# against fewer blocks in flight. Measured: 2.7B layer backward 4.97 / 4.62 / 4.50 /
 # 4.44 ms at 1 / 4 / 8 / 16; source config 2.47 ms at 1, 2.22 at 8 (its 8 heads).
 # A runtime argument, not a constant, so that head counts with different blocks share a compile;
-# speed unchanged (run37: 2.221 / 4.669 ms against run34's 2.207 / 4.652).
+# speed unchanged (backward 2.221 / 4.669 ms, source / 2.7B, against 2.207 / 4.652 before).
 BLOCK_HEADS = 16
 
 
@@ -79,14 +79,14 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                                tf32: ct.Constant[bool]):
     """Each token s as a sender: dx, ddt_input, db (summed over the block's heads) and dl's terms
     from s < u (written to dl; the rows kernel adds the receivers' terms); with a skip, dd's sum
-    of dy * x over the chunk's tokens (dy and x are in registers here: a separate reduction that
-    read them again made the backward 0.25 / 0.10 ms slower on the source config / 2.7B layer,
-    experiment 55).
+    of dy * x over the chunk's tokens (dy and x are in registers here: a separate torch reduction
+    that read them again made the backward 0.25 / 0.10 ms slower on the source config / 2.7B
+    layer).
 
     Its chunk-by-chunk tiles are [s, t], senders along the rows, the transpose of the rows
     kernel's: sums over receivers t become row sums and the dxs and db products take the tiles
     untransposed. On [t, s] tiles the kernel spilled (376-byte stack frame) and took 0.46 ms
-    against 0.32 on the source config, 1.08 against 0.77 on the 2.7B layer (experiment 54, run53)."""
+    against 0.32 on the source config, 1.08 against 0.77 on the 2.7B layer."""
     batch_block, chunk = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     blocks = heads // block_heads
@@ -127,7 +127,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
             products = ct.mma(x_op, ct.transpose(dy_low_op), products)
         if skip_mode == SKIP_PER_HEAD:
             # dd of a head: the trace of x_s . dy_t, row sums in the warps (a sum over the chunk's
-            # tokens of x * dy runs across them: experiment 56).
+            # tokens of x * dy runs across them; the trace: 0.376 -> 0.332 ms, source config).
             diagonal = ct.where(token[:, None] == token[None, :], products, 0.0)
             ct.store(dd, (batch, chunk, head), ct.sum(ct.sum(diagonal, axis=1), axis=0, keepdims=True).reshape(
                 (1, 1, 1)))
@@ -136,13 +136,13 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         # dl from pairs s < u <= t: the rows kernel's sum over t >= u of what t receives, less the
         # sum over s >= u of what s sends (the pairs with s >= u cancel, within one chunk in fp32).
         # The direct sum, a cumsum along the rows, made the rows kernel 0.19 -> 0.63 ms on the
-        # source config (experiment 53, run51) for a dl error below bf16's (float64 emulation:
+        # source config for a dl error below bf16's (float64 emulation:
         # per chunk ~1e-6 of dA against ~1e-7).
         pairs = decayed_products * dt_tile[:, None] * scores
         sent_pairs = ct.sum(pairs, axis=1)
 
         # The gradient leaving the chunk: sent by s < u (dl), and dxs's and db's second terms.
-        # The states come in x's dtype from the walks (experiment 63): into_next scales the
+        # The states come in x's dtype from the walks (chunk_states_walk.py): into_next scales the
         # products, not the stored state, so that the mma operand is rounded once.
         grad_t = ct.load(rev_entry_states, (batch, head, reversed_chunk, 0), (1, 1, state_size, head_size)).reshape(
             (state_size, head_size))
@@ -188,7 +188,7 @@ def chunk_grads_rows_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_sta
     """Each token t as a receiver: dc (summed over the block's heads) and dl's terms from t >= u,
     added to what the columns kernel left in dl; then, dl complete, ddt = ddt_input + a dl (in
     place of the columns kernel's ddt_input) and da's sum of dt dl over the chunk (as torch ops
-    after the kernel: two transposes and four kernels more, experiment 57)."""
+    after the kernel they were two transposes and four kernels more)."""
     batch_block, chunk = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     blocks = heads // block_heads
@@ -251,7 +251,7 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     """x, dy [batch, tokens, heads, head_size]; b, c [batch, tokens, groups, state_size];
     dy_low like dy or None: what rounding dy to x's dtype left out, where dy is a product (the
     gated gradient of the layer op), added to dy in the dy . x products, the dy . (c S) terms and
-    D dy (experiment 48: the mixer's dA error 1.5e-3 -> mamba_ssm's 4.7e-4 level);
+    D dy (the mixer's dA error from float64 1.47e-3 -> 7.6e-4; mamba_ssm 1.16e-3);
     dt_bht, decay_cumsum [batch, heads, chunks * chunk_size];
     entry_states, rev_entry_states [batch, heads, chunks * state_size, head_size] (one per chunk) in
     x's dtype from the walks, fp32 from the state pass (a scan that also makes y, the flipped

@@ -71,15 +71,7 @@ def chunked_decay(decay_cumsum: torch.Tensor, chunk_size: int, dtype: torch.dtyp
     return g.permute(0, 2, 3, 1)
 
 
-def token_recurrence(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    d: torch.Tensor,
-    dt: torch.Tensor,
-    init_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def token_recurrence(x, a, b, c, d, dt, init_state=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token Mamba-2 scan in float64; the definition of the operator.
 
     h_t = exp(a * dt_t) * h_{t-1} + dt_t * x_t b_t^T,   y_t = h_t c_t + d * x_t
@@ -205,17 +197,8 @@ def chunk_output_reference(
     return out + d.to(dtype)[:, None] * x.to(dtype)
 
 
-def chunked_forward_reference(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    d: torch.Tensor,
-    dt: torch.Tensor,
-    init_state: torch.Tensor | None = None,
-    chunk_size: int = 128,
-    dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_forward_reference(x, a, b, c, d, dt, init_state=None, chunk_size: int = 128,
+                              dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """The three chunked stages composed, all math in ``dtype``.
 
     Returns ``out`` [B, T, H, P] and ``final_state`` [B, H, P, N], both in ``dtype``.

@@ -19,7 +19,7 @@ from .. import plan
 from ..launch import launch, new_output
 
 
-# Occupancy 8 and 128-channel blocks (experiment 43, run37): a block's work is a few dependent
+# Occupancy 8 and 128-channel blocks: a block's work is a few dependent
 # loads, so what counts is how many are in flight. 2.7B mixer, batch 1 / 64 / 256: 3.2 / 12.2 /
 # 41.2 us against 4.5 / 34.0 / 136 at the default occupancy and 256 channels.
 @ct.kernel(occupancy=8)

@@ -25,7 +25,7 @@ PER_HEAD, PER_CHANNEL, PER_ELEMENT = 0, 1, 2
 
 
 # Eight blocks per SM: a block's loads are one dependent chain (state, then the update, then the
-# store), so the bandwidth comes from many blocks in flight (NOTES.md, experiment 37).
+# store), so the bandwidth comes from many blocks in flight (batch 256: 973 -> 379 us).
 @ct.kernel(occupancy=8)
 def selective_state_update_kernel(state, x, dt, dt_bias, A, B, C, D, z, indices, out,
                                   head_tile: ct.Constant[int], state_tile: ct.Constant[int],
@@ -87,7 +87,7 @@ def _update(state, x, dt, dt_bias, A, B, C, D, z, out, row, slot, head, p_tile, 
     h = ct.exp(a * step) * h + (step * x_col) * b
     # Plain stores, not TMA (which tileiras picks by default): a TMA store stages the tile in shared
     # memory and waits on it, at the end of a block whose life is one dependent chain. Same bits,
-    # 8% / 7% faster at batch 1 / 8, equal from batch 64 (NOTES.md, experiment 71).
+    # 8% / 7% faster at batch 1 / 8, equal from batch 64.
     ct.store(state, (slot, head, p_tile, 0), h.astype(state.dtype).reshape((1, 1, head_tile, state_tile)),
              allow_tma=False)
 
@@ -173,7 +173,7 @@ def run_state_update(args, settled=None):
 # A step of a few microseconds is mostly launch latency: launched as a programmatic dependent, its
 # blocks are scheduled while the kernel ahead drains. CUDA-graph replay of the 2.7B mixer's step
 # (320 blocks per batch row): batch 1 / 8 3.91 -> 3.58 / 16.93 -> 14.88 us, batch 64 unchanged,
-# batch 256 385 -> 395 us (NOTES.md, experiment 76); hence only grids up to this many blocks.
+# batch 256 385 -> 395 us; hence only grids up to this many blocks.
 DEPENDENT_LAUNCH_MAX_BLOCKS = 8192
 
 
@@ -181,7 +181,7 @@ def tiles_for(head_size, state_size):
     """-> (head_tile, state_tile): the whole state row (state_size padded to a power of two) and
     enough rows for 2048 elements per block (8 KiB of fp32 state). At 8 blocks per SM this moved
     the state at 3.3-3.5 TB/s on the H200 from batch 64 on, where 4096-element blocks at the
-    default occupancy moved it at 1.4 (NOTES.md, experiment 37)."""
+    default occupancy moved it at 1.4 TB/s."""
     state_tile = _pow2(state_size)
     head_tile = max(1, min(_pow2(head_size), 2048 // state_tile))
     return head_tile, state_tile
