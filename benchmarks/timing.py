@@ -10,7 +10,7 @@ import torch
 
 from tilegym_mamba2.core.validation import check_forward_args
 from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
-from tilegym_mamba2.cutile.forward import config_for
+from tilegym_mamba2.cutile.forward import _milliseconds, config_for
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 
 
@@ -28,13 +28,7 @@ def _warm_up(fn):
 
 
 def _elapsed_ms(fn, calls):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    return _milliseconds(fn, reps=calls)  # one warm-up call, then CUDA events around the rest
 
 
 def tuned_inputs(shape):

@@ -1,3 +1,6 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -11,9 +14,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def private_tuning_cache(tmp_path_factory):
-    """Tuned choices go to a cache of the test session's own, not the user's."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path_factory.mktemp("tuning-cache")))
-        yield
+def pytest_configure(config):
+    """Tuned choices go to a cache of the test run's own, not the user's."""
+    os.environ["TILEGYM_MAMBA2_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilegym-mamba2-tuning-")

@@ -94,9 +94,9 @@ def test_no_options_is_the_plain_op(monkeypatch, tmp_path):
 def test_default_backend_on_cuda_is_cutile(monkeypatch):
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")  # tuning would call run_layer too
     calls = []
-    from tilegym_mamba2.cutile import scan_combined
-    original = scan_combined.run_layer
-    monkeypatch.setattr(scan_combined, "run_layer", lambda *a, **k: calls.append(1) or original(*a, **k))
+    from tilegym_mamba2.backends import cutile as backend  # the cutile backend's entry point runs the layer
+    original = backend.run_layer
+    monkeypatch.setattr(backend, "run_layer", lambda *a, **k: calls.append(1) or original(*a, **k))
     inputs, _, _, _, _ = build(Case("plain", [[100]], 64, seed=12))
     tilegym_mamba2.mamba_chunk_scan_combined(**inputs, chunk_size=64)
     assert calls == [1]

@@ -183,28 +183,23 @@ def _aliases(t, inputs) -> bool:
 
 # --- eager autograd: the same pieces without the custom ops' dispatch ----------------------
 
-class _EagerChunkForward(torch.autograd.Function):
-    @staticmethod
+def _eager_function(name, setup, run, grads, run_backward):
+    """A torch.autograd.Function with a custom op's setup, forward and gradients."""
     def forward(ctx, *inputs):
-        _chunk_setup(ctx, inputs, None)
-        return _run_chunk_forward(*inputs)
+        setup(ctx, inputs, None)
+        return run(*inputs)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dfinal_state):
-        return _chunk_grads(ctx, dout, dfinal_state, backward=_run_chunk_backward)
+    def backward(ctx, *cotangents):
+        return grads(ctx, *cotangents, backward=run_backward)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                    "backward": staticmethod(once_differentiable(backward))})
 
 
-class _EagerScanCombined(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *inputs):
-        _layer_setup(ctx, inputs, None)
-        return _run_scan_combined(*inputs)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dfinal_states, dvarlen_states):
-        return _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=_run_scan_combined_backward)
+_EagerChunkForward = _eager_function("_EagerChunkForward", _chunk_setup, _run_chunk_forward, _chunk_grads,
+                                     _run_chunk_backward)
+_EagerScanCombined = _eager_function("_EagerScanCombined", _layer_setup, _run_scan_combined, _layer_grads,
+                                     _run_scan_combined_backward)
 
 
 # --- what the backends' entry points call --------------------------------------------------

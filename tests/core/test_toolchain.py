@@ -292,7 +292,7 @@ def test_real_exit_code_5_is_explained(tmp_path):
             print("COMPILED")
     """)
     env = dict(_real_env(), CUDA_ROOT=str(old), CUDA_TILE_CACHE_DIR="off",
-               PYTHONPATH=os.path.dirname(os.path.dirname(tcm.__file__)))
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(tcm.__file__))))
     (tmp_path / "compile_it.py").write_text(script)  # cuTile reads the kernel's source file
     res = subprocess.run([sys.executable, "compile_it.py"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
@@ -310,7 +310,7 @@ def test_import_runs_no_subprocess():
             "def refuse(*a, **k): raise AssertionError('subprocess at import')\n"
             "subprocess.run = subprocess.Popen = refuse\n"
             "import tilegym_mamba2.core.toolchain\n")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(tcm.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(tcm.__file__))))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr

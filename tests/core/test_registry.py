@@ -16,7 +16,7 @@ import pytest
 import tilegym_mamba2
 from tilegym_mamba2.core.registry import load_registry, resolve
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OP = "mamba2_chunk_forward"
 
 # Small CPU inputs and a float64 reference, shared by the subprocess scripts.
@@ -70,29 +70,28 @@ def test_every_target_resolves_to_a_callable():
         assert impl.__module__ == module and impl.__name__ == function, target
 
 
-@pytest.mark.parametrize("target", ["no_colon_here", "a:b:c", 123, None])
-def test_bad_target_names_the_entry(target):
-    text = textwrap.dedent(f"""
+def one_op_registry(extra_backend: str, fallback: str) -> str:
+    """A registry text with one op, my_op: the pytorch backend, ``extra_backend`` and ``fallback``."""
+    return textwrap.dedent(f"""
         ops:
           my_op:
             backends:
               pytorch: tilegym_mamba2.backends.pytorch:mamba2_chunk_forward_pytorch
-              cutile: {json.dumps(target)}
-            fallback: pytorch
+              {extra_backend}
+            fallback: {fallback}
     """)
+
+
+@pytest.mark.parametrize("target", ["no_colon_here", "a:b:c", 123, None])
+def test_bad_target_names_the_entry(target):
+    text = one_op_registry(f"cutile: {json.dumps(target)}", "pytorch")
     with pytest.raises(ValueError, match=r"my_op\.backends\.cutile"):
         load_registry(text)
 
 
 @pytest.mark.parametrize("fallback", ["triton", None])
 def test_fallback_not_a_backend_names_the_entry(fallback):
-    text = textwrap.dedent(f"""
-        ops:
-          my_op:
-            backends:
-              pytorch: tilegym_mamba2.backends.pytorch:mamba2_chunk_forward_pytorch
-            fallback: {json.dumps(fallback)}
-    """)
+    text = one_op_registry("", json.dumps(fallback))
     with pytest.raises(ValueError, match=r"my_op\.fallback"):
         load_registry(text)
 
