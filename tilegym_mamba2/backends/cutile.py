@@ -10,13 +10,12 @@ from ..autograd import differentiable_chunk_forward, differentiable_scan_combine
 from ..backward import Kernels, chunk_backward, scan_combined_backward
 from ..core.packing import scan_returns
 from ..core.toolchain import compile_errors_explained
-from ..core.validation import (check_backward_args, check_forward_args, check_scan_combined_args, forward_args,
+from ..core.validation import (NO_LIMIT, check_backward_args, check_forward_args, check_scan_combined_args, forward_args,
                                scan_combined_args)
 from ..cutile import plan, scan
 from ..cutile.forward import run_stages
 from ..cutile.scan_combined import layer_config, run_layer
 
-NO_LIMIT = (0.0, float("inf"))
 MAX_STATE = 256  # the widest state a kernel carries; wider ones run in halves
 
 # What backward.py runs on: the forward's kernels as scans, the reversed walk, chunk_grads.

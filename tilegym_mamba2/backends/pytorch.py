@@ -14,14 +14,12 @@ from ..backward import Kernels, chunk_backward, input_grad, scan_combined_backwa
 from ..core.packing import scan_returns
 from ..core.serving_validation import check_conv_args, check_conv_update_args, check_state_update_args
 from ..core.tensors import compute_dtype
-from ..core.validation import check_backward_args, check_forward_args, check_scan_combined_args
+from ..core.validation import NO_LIMIT, check_backward_args, check_forward_args, check_scan_combined_args
 from ..reference.layer import process_dt
 from ..reference.scan import chunk_grads_reference, scan_reference
 from ..reference.serving import (causal_conv1d_reference, causal_conv1d_update_reference,
                                  selective_state_update_reference)
 from ..reference.ssd import chunked_forward_reference
-
-NO_LIMIT = (0.0, float("inf"))
 
 
 def mamba2_chunk_forward_pytorch(x, a, b, c, d, dt, init_state=None, chunk_size=128):

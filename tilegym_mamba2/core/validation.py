@@ -16,6 +16,7 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # torch.autograd.gradcheck can run against it on a CPU.
 PYTORCH_INPUT_DTYPES = INPUT_DTYPES + (torch.float64,)
 CHUNK_SIZES = (16, 32, 64, 128, 256)
+NO_LIMIT = (0.0, float("inf"))  # the default dt_limit: no clamp
 # cuTile tiles have power-of-two shapes and tensor-core matmuls need at least 16 along each side.
 CUTILE_DIMS = (16, 32, 64, 128, 256)
 # mamba2_chunk_forward/backward also take state_size 512 (tilegym's own grid has it): the
