@@ -9,7 +9,7 @@ differentiable (autograd, torch.compile).
 import torch
 
 from . import autograd
-from .core.registry import implementation, install, preferred_backend
+from .core.registry import backend_for as _backend, implementation, install
 from .testing import Mamba2ProblemSpec
 
 __version__ = "0.1.0"
@@ -84,17 +84,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return autograd.scan_combined_on(_backend("mamba2_chunk_scan_combined", backend, x), x, dt, A, B, C, chunk_size,
                                      D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
                                      return_final_states, return_varlen_states)
-
-
-def _backend(op, backend, x):
-    """The backend a call runs on: the one asked for, else our kernels for CUDA tensors (the
-    registry's preference) and the pytorch backend for others."""
-    if backend is not None:
-        return backend
-    if not getattr(x, "is_cuda", False):
-        return "pytorch"
-    # While torch.compile traces, the registry's lookup is not traceable; every op has our kernels.
-    return "cutile" if torch.compiler.is_compiling() else preferred_backend(op)
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,

@@ -35,7 +35,7 @@ def split_conv1d_scan_pytorch(*args, **kwargs):
 def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=None,
                       seq_idx=None, dt_limit=(0.0, float("inf")), return_final_states=False, activation="silu",
                       rmsnorm_weight=None, rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None,
-                      ngroups=1, norm_before_gate=True, *, backend):
+                      ngroups=1, norm_before_gate=True, *, backend, conv=None, scan=None):
     """tilegym_mamba2.mamba_split_conv1d_scan_combined on ``backend`` (the scan's).
 
     Args (mamba_ssm's names):
@@ -48,24 +48,30 @@ def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
         rmsnorm_weight: [dim] or None (no norm: the scan gates by z);  rmsnorm_eps.
         outproj_weight: [out_dim, dim + d_nonssm] or None;  outproj_bias: [out_dim] or None.
         backend: the scan's backend.
+        conv, scan: stand-ins for the convolution (causal_conv1d_differentiable's arguments) and the
+            scan (scan_combined_on's, without backend), for compositions that split the tokens
+            over ranks (distributed/).
 
     Returns out [batch, seqlen, out_dim or dim + d_nonssm], and final_states
     [batch, nheads, headdim, dstate] fp32 with return_final_states.
     """
-    nheads, headdim, dstate, d_nonssm = _check(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim, ngroups,
-                                               activation, rmsnorm_weight, outproj_weight, outproj_bias)
+    nheads, headdim, dstate, d_nonssm = check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
+                                                         ngroups, activation, rmsnorm_weight, outproj_weight,
+                                                         outproj_bias)
     batch, seqlen, _ = zxbcdt.shape
     dim = nheads * headdim
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    xBC = causal_conv1d_differentiable(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx,
-                                       activation=activation).transpose(1, 2)
+    conv = causal_conv1d_differentiable if conv is None else conv
+    xBC = conv(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx, activation=activation).transpose(1, 2)
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     x = x.reshape(batch, seqlen, nheads, headdim)
     B, C = B.reshape(batch, seqlen, ngroups, dstate), C.reshape(batch, seqlen, ngroups, dstate)
     z = z.reshape(batch, seqlen, nheads, headdim)
-    scanned = autograd.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z if rmsnorm_weight is None else None,
-                                        dt_bias, initial_states, seq_idx, None, True, dt_limit, return_final_states,
-                                        False)
+    if scan is None:
+        def scan(*args):
+            return autograd.scan_combined_on(backend, *args)
+    scanned = scan(x, dt, A, B, C, chunk_size, D, z if rmsnorm_weight is None else None, dt_bias, initial_states,
+                   seq_idx, None, True, dt_limit, return_final_states, False)
     y, final_states = scanned if return_final_states else (scanned, None)
     y = y.reshape(batch, seqlen, dim)
     if rmsnorm_weight is not None:
@@ -113,8 +119,8 @@ def _gated_rms_norm(y, z, weight, eps, group_size, norm_before_gate):
     return v.to(y.dtype)
 
 
-def _check(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight,
-           outproj_weight, outproj_bias):
+def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight,
+                     outproj_weight, outproj_bias):
     """-> (nheads, headdim, dstate, d_nonssm); ValueError/TypeError naming the argument otherwise.
     The scan's own arguments are checked again by mamba_chunk_scan_combined."""
     for name, t in (("zxbcdt", zxbcdt), ("conv1d_weight", conv1d_weight), ("dt_bias", dt_bias), ("A", A),

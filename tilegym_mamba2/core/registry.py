@@ -9,6 +9,7 @@ import importlib.resources
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import yaml
 
 
@@ -92,6 +93,17 @@ def preferred_backend(op: str) -> str:
     """"cutile" where the op has our kernels, else its fallback."""
     entry = shipped_registry()[op]
     return "cutile" if "cutile" in entry.backends else entry.fallback
+
+
+def backend_for(op: str, backend, x) -> str:
+    """The backend a call runs on: the one asked for, else our kernels for CUDA tensors (the
+    registry's preference) and the pytorch backend for others."""
+    if backend is not None:
+        return backend
+    if not getattr(x, "is_cuda", False):
+        return "pytorch"
+    # While torch.compile traces, the registry's lookup is not traceable; every op has our kernels.
+    return "cutile" if torch.compiler.is_compiling() else preferred_backend(op)
 
 
 def install() -> bool:

@@ -1,0 +1,225 @@
+"""Spawned ranks for the context-parallel tests: each builds the same global inputs from a seed,
+runs the single-process op on the whole sequence and the context-parallel op on its slice, and
+reports the largest differences (outputs, final states, every gradient) to the parent."""
+import os
+import traceback
+import zlib
+
+import torch
+import torch.distributed as dist
+
+F64 = torch.float64
+
+
+def run_ranks(world, target, *args, timeout=240):
+    """Runs target(rank, world, *args) in ``world`` spawned processes over gloo -> their return
+    values in rank order. A rank that does not finish within ``timeout`` s fails the test (a hang)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="cp-rdv-"), "file")
+    procs = [ctx.Process(target=_rank_main, args=(rank, world, rendezvous, results, target, args))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(world):
+            rank, value = results.get(timeout=timeout)
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+def _rank_main(rank, world, rendezvous, results, target, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        value = target(rank, world, *args)
+    except Exception:
+        value = {"crash": traceback.format_exc()}
+    results.put((rank, value))
+    dist.destroy_process_group()
+
+
+# --- cases ---------------------------------------------------------------------------------
+
+def cuts_for(name, tokens, world):
+    """Slice boundaries of each case for ``world`` ranks."""
+    if name == "one_token_slices":      # every rank but the last holds one token
+        return list(range(world)) + [tokens]
+    if name == "unequal":
+        lengths = [3 + 5 * r for r in range(world)]
+        lengths[-1] = tokens - sum(lengths[:-1])
+        return [sum(lengths[:r]) for r in range(world)] + [tokens]
+    return [round(tokens * r / world) for r in range(world + 1)]
+
+
+def scan_cases(world):
+    """name -> (tokens, seq_idx rows or None, cu_seqlens or None, options)."""
+    all_options = dict(D="head", z=True, dt_bias=True, dt_softplus=True, dt_limit=(0.01, 2.0), initial_states=True)
+    cuts = cuts_for("even", 48, world)
+    edge = cuts[1]                                       # a boundary exactly at rank 0's end
+    cases = {
+        "even": (48, None, None, all_options),
+        "unequal": (48, None, None, dict(D="channel", initial_states=True)),
+        "one_token_slices": (40, None, None, all_options),
+        "boundaries": (48, [[0] * 5 + [1] * (edge - 5) + [2] * (48 - edge), [0] * 30 + [1] * 18], None, all_options),
+        "span_three_ranks": (48, [[0] * 2 + [1] * 44 + [2] * 2, [0] * 48], None, dict(z=True, initial_states=True)),
+        "many_short": (48, [[t // 3 for t in range(48)], [t // 2 for t in range(48)]], None, all_options),
+        "cu_seqlens": (48, None, [0, 7, edge, edge + 1, 40, 48], dict(D="head", initial_states="per_sequence")),
+        "no_options": (33, None, None, {}),
+    }
+    return cases
+
+
+def _inputs(seed, tokens, batch, options, groups=2, heads=4, head_size=8, state=8):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+    t = dict(x=randn(batch, tokens, heads, head_size), dt=randn(batch, tokens, heads),
+             A=-torch.rand(heads, generator=g, dtype=F64) - 0.3,
+             B=randn(batch, tokens, groups, state), C=randn(batch, tokens, groups, state))
+    if options.get("D") == "head":
+        t["D"] = randn(heads)
+    elif options.get("D") == "channel":
+        t["D"] = randn(heads, head_size)
+    if options.get("z"):
+        t["z"] = randn(batch, tokens, heads, head_size)
+    if options.get("dt_bias"):
+        t["dt_bias"] = randn(heads)
+    return t, g
+
+
+SLICED = ("x", "dt", "B", "C", "z")
+
+
+def scan_case(rank, world, name, tokens, seq_rows, cu, options, backend="pytorch", dtype=F64, device="cpu"):
+    """Differences between the single-process op (whole sequence) and the context-parallel op."""
+    import tilegym_mamba2
+    from tilegym_mamba2.distributed import context_parallel_scan_combined
+    batch = 1 if cu is not None else 2
+    t, g = _inputs(zlib.crc32(name.encode()), tokens, batch, options)
+    num_seqs = len(cu) - 1 if cu is not None else batch
+    if options.get("initial_states"):
+        t["initial_states"] = torch.randn(num_seqs if options["initial_states"] == "per_sequence" else batch,
+                                          *t["x"].shape[2:], t["B"].shape[-1], generator=g, dtype=F64)
+    seq_idx = None if seq_rows is None else torch.tensor(seq_rows, dtype=torch.int32)
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    weight_out = torch.randn(batch, tokens, *t["x"].shape[2:], generator=g, dtype=F64)
+    weight_final = torch.randn(batch, *t["x"].shape[2:], t["B"].shape[-1], generator=g, dtype=F64)
+    kwargs = dict(dt_softplus=options.get("dt_softplus", False), dt_limit=options.get("dt_limit", (0.0, float("inf"))),
+                  return_final_states=True)
+    params = F64 if dtype == F64 else torch.float32     # A, D, dt_bias, initial_states
+    t = {k: v.to(device=device, dtype=dtype if k in SLICED else params) for k, v in t.items()}
+
+    def leaves(part):
+        return {k: (v[:, part] if k in SLICED else v).detach().clone().requires_grad_() for k, v in t.items()}
+
+    whole = leaves(slice(None))
+    out, final = tilegym_mamba2.mamba_chunk_scan_combined(
+        chunk_size=16, seq_idx=None if seq_idx is None else seq_idx.to(device),
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device), backend=backend, **whole, **kwargs)
+    ((out.double() * weight_out.to(device)).sum() + (final.double() * weight_final.to(device)).sum()).backward()
+
+    cuts = cuts_for(name, tokens, world)
+    part = slice(cuts[rank], cuts[rank + 1])
+    mine = leaves(part)
+    cp_out, cp_final = context_parallel_scan_combined(
+        chunk_size=16, seq_idx=None if seq_idx is None else seq_idx[:, part].contiguous().to(device),
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device), backend=backend, **mine, **kwargs)
+    # Each rank's loss takes its slice of the outputs and a 1/world share of the final states.
+    ((cp_out.double() * weight_out[:, part].to(device)).sum()
+     + (cp_final.double() * weight_final.to(device)).sum() / world).backward()
+    return differences(out[:, part], final, whole, cp_out, cp_final, mine, part)
+
+
+def differences(out, final, whole, cp_out, cp_final, mine, part, sliced=SLICED):
+    """{quantity: (largest |difference|, largest |reference|)}; replicated gradients summed over ranks."""
+    diffs = {"out": _diff(cp_out, out), "final_states": _diff(cp_final, final)}
+    for k, leaf in mine.items():
+        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        want = whole[k].grad
+        if k in sliced:
+            want = want[:, part]
+        else:
+            grad = grad.clone()
+            dist.all_reduce(grad)
+        diffs[f"d{k}"] = _diff(grad, want)
+    return diffs
+
+
+def _diff(got, want):
+    return ((got.double() - want.double()).abs().max().item(), want.double().abs().max().item(),
+            bool(torch.isfinite(got).all()))
+
+
+def mixer_case(rank, world, name, tokens, seq_rows, backend="pytorch", dtype=F64, device="cpu"):
+    """The whole mixer (and its convolution's halo) against mamba_split_conv1d_scan_combined."""
+    import tilegym_mamba2
+    from tilegym_mamba2.distributed import context_parallel_split_conv1d_scan_combined
+    g = torch.Generator().manual_seed(7)
+    batch, nheads, headdim, dstate, ngroups, width, d_nonssm, out_dim = 2, 4, 8, 8, 2, 4, 3, 12
+    dim = nheads * headdim
+    channels = 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=F64) * scale
+    t = dict(zxbcdt=randn(batch, tokens, channels), conv1d_weight=randn(dim + 2 * ngroups * dstate, width, scale=0.5),
+             conv1d_bias=randn(dim + 2 * ngroups * dstate), dt_bias=randn(nheads),
+             A=-torch.rand(nheads, generator=g, dtype=F64) - 0.3, D=randn(nheads),
+             initial_states=randn(batch, nheads, headdim, dstate), rmsnorm_weight=randn(dim),
+             outproj_weight=randn(out_dim, dim + d_nonssm, scale=0.2), outproj_bias=randn(out_dim))
+    weight_out = randn(batch, tokens, out_dim)
+    weight_final = randn(batch, nheads, headdim, dstate)
+    seq_idx = None if seq_rows is None else torch.tensor(seq_rows, dtype=torch.int32, device=device)
+    params = F64 if dtype == F64 else torch.float32
+    t = {k: v.to(device=device, dtype=dtype if k == "zxbcdt" else params) for k, v in t.items()}
+    kwargs = dict(chunk_size=16, dt_limit=(0.0, 4.0), return_final_states=True, headdim=headdim, ngroups=ngroups,
+                  norm_before_gate=False, backend=backend)
+
+    def leaves(part):
+        return {k: (v[:, part] if k == "zxbcdt" else v).detach().clone().requires_grad_() for k, v in t.items()}
+
+    whole = leaves(slice(None))
+    out, final = tilegym_mamba2.mamba_split_conv1d_scan_combined(seq_idx=seq_idx, **whole, **kwargs)
+    ((out.double() * weight_out.to(device)).sum() + (final.double() * weight_final.to(device)).sum()).backward()
+    cuts = cuts_for(name, tokens, world)
+    part = slice(cuts[rank], cuts[rank + 1])
+    mine = leaves(part)
+    cp_out, cp_final = context_parallel_split_conv1d_scan_combined(
+        seq_idx=None if seq_idx is None else seq_idx[:, part].contiguous(), **mine, **kwargs)
+    ((cp_out.double() * weight_out[:, part].to(device)).sum()
+     + (cp_final.double() * weight_final.to(device)).sum() / world).backward()
+    return differences(out[:, part], final, whole, cp_out, cp_final, mine, part, sliced=("zxbcdt",))
+
+
+def mixer_cases(world):
+    edge = cuts_for("even", 40, world)[1]
+    return {"even": (40, None),
+            "one_token_slices": (40, [[0] * 40, [0] * 2 + [1] * 38]),
+            "boundaries": (40, [[0] * edge + [1] * 3 + [2] * (37 - edge), [t // 4 for t in range(40)]])}
+
+
+def all_cases(rank, world):
+    """Every scan and mixer case on this rank -> {case: differences or a traceback}."""
+    results = {}
+    for name, (tokens, seq_rows, cu, options) in scan_cases(world).items():
+        results[f"scan-{name}"] = _guarded(scan_case, rank, world, name, tokens, seq_rows, cu, options)
+    for name, (tokens, seq_rows) in mixer_cases(world).items():
+        results[f"mixer-{name}"] = _guarded(mixer_case, rank, world, name, tokens, seq_rows)
+    return results
+
+
+def _guarded(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return {"crash": traceback.format_exc()}

@@ -1,0 +1,171 @@
+"""context_parallel_scan_combined: mamba_chunk_scan_combined over a sequence split along tokens.
+
+Each rank runs the single-GPU op on its slice from zero entering state (with the initial states
+of the sequences that start on it), which gives its outputs and its end state; one all-gather of
+the end states and decays (state_chain.py) gives each rank the state entering its slice, and its
+share of the outputs, exp(cumsum a dt) C h_entering over the slice's first sequence, is added by
+linearity (then the z gate). Autograd runs through all of it: the op's own backward, the
+einsum's, and the chain's reverse all-gather.
+"""
+import bisect
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .. import autograd
+from ..core.registry import backend_for
+from ..core.tensors import compute_dtype
+from ..core.validation import check_scan_combined_args
+from ..reference.layer import process_dt
+from .agreement import agree, check_group_device, edge_ids, group_or_world
+from .state_chain import StateChain, entering_output
+
+OP = "context_parallel_scan_combined"
+
+
+def context_parallel_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                                   seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                                   return_final_states=False, group=None, backend=None):
+    """mamba_chunk_scan_combined on one sequence whose tokens are split over the ranks of ``group``.
+
+    Args: mamba_chunk_scan_combined's, where the tensors with a tokens dimension (x, dt, B, C, z,
+    seq_idx) are this rank's slice; the ranks hold consecutive slices in rank order, of any
+    lengths >= 1. seq_idx is this rank's slice of the global seq_idx; cu_seqlens (not with
+    seq_idx) the global start offsets. initial_states start the global sequence (or, with
+    cu_seqlens, [num_sequences, ...], each sequence). A, D, dt_bias, initial_states and every
+    option must be the same on every rank. group: a torch.distributed group (default the world);
+    NCCL for CUDA tensors, gloo for CPU (or CUDA, through host memory). backend: as in
+    mamba_chunk_scan_combined.
+
+    Returns this rank's out [batch, slice tokens, heads, head_size], and with
+    return_final_states the global sequence's final states [batch, heads, head_size,
+    state_size] on every rank. Differentiable: sliced inputs get this rank's slice of the
+    gradient; replicated ones this rank's share (their sum over the group is the gradient).
+    Every rank must make the call, and run backward, together.
+    """
+    group = group_or_world(group)
+    backend = backend_for("mamba2_chunk_scan_combined", backend, x)
+    layout = agree_scan(group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                        cu_seqlens, dt_softplus, dt_limit, return_final_states)
+    return scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                      cu_seqlens, dt_softplus, dt_limit, return_final_states)
+
+
+def scan_signature(x, B, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+                   return_final_states, backend):
+    """What must agree across ranks, by argument."""
+    def shape(t):
+        return None if t is None else tuple(t.shape)
+    return {"x's [batch, heads, head_size]": (x.shape[0], *x.shape[2:]), "x's dtype": str(x.dtype),
+            "B's [groups, state_size]": tuple(B.shape[2:]), "chunk_size": chunk_size, "D's shape": shape(D),
+            "z (given or not)": z is not None, "dt_bias (given or not)": dt_bias is not None,
+            "initial_states' shape": shape(initial_states), "seq_idx (given or not)": seq_idx is not None,
+            "cu_seqlens": None if cu_seqlens is None else cu_seqlens.tolist(), "dt_softplus": dt_softplus,
+            "dt_limit": tuple(float(v) for v in dt_limit), "return_final_states": return_final_states,
+            "backend": backend}
+
+
+def agree_scan(group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+               dt_softplus, dt_limit, return_final_states):
+    """Checks this rank's slice, then agree(); raises on every rank if any rank is wrong."""
+    def check():
+        check_group_device(group, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"))
+        if cu_seqlens is not None and seq_idx is not None:
+            raise ValueError("give seq_idx (this rank's slice) or cu_seqlens (the global offsets), not both")
+        per_sequence = cu_seqlens is not None and initial_states is not None
+        check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, None if per_sequence else initial_states,
+                                 seq_idx, None, dt_softplus, dt_limit, return_final_states, False, backend=backend)
+        if cu_seqlens is not None:
+            _check_global_offsets(cu_seqlens, x, initial_states)
+
+    layout = agree(OP, group, check,
+                   lambda: scan_signature(x, B, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                          dt_softplus, dt_limit, return_final_states, backend),
+                   x.shape[1] if isinstance(x, torch.Tensor) and x.ndim == 4 else 0,
+                   lambda: edge_ids(seq_idx, x.shape[0], x.shape[1], 0))
+    if cu_seqlens is not None:
+        offsets = cu_seqlens.tolist()
+        if offsets[-1] != layout.total:
+            raise ValueError(f"cu_seqlens must end at the global number of tokens, the sum of the ranks' slices "
+                             f"{list(layout.lengths)} = {layout.total}, got {offsets[-1]}")
+        layout = _with_offsets(layout, offsets)
+    return layout
+
+
+def _check_global_offsets(cu_seqlens, x, initial_states):
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
+            or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D int32 or int64 tensor [num_sequences + 1] of global start offsets")
+    if x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens packs sequences along tokens and needs batch 1, got batch {x.shape[0]}")
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or any(b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and rise strictly, got "
+                         f"{offsets if len(offsets) <= 12 else '[...]'}")
+    if initial_states is not None:
+        allowed = {(n, *x.shape[2:], initial_states.shape[-1]) for n in (1, len(offsets) - 1)}
+        if tuple(initial_states.shape) not in allowed or initial_states.shape[-1] < 1:
+            raise ValueError(f"initial_states must be [1 or num_sequences, heads, head_size, state_size], got "
+                             f"{tuple(initial_states.shape)}")
+
+
+def _with_offsets(layout, offsets):
+    """The layout's sequence ids at the slice edges as the global cu_seqlens define them."""
+    starts = [sum(layout.lengths[:r]) for r in range(layout.size)]
+
+    def sequence_of(token):
+        return bisect.bisect_right(offsets, token) - 1
+
+    first = [[sequence_of(s)] for s in starts]
+    last = [[sequence_of(s + n - 1)] for s, n in zip(starts, layout.lengths)]
+    run = [[min(offsets[f[0] + 1], s + n) - s] for f, s, n in zip(first, starts, layout.lengths)]
+    return dataclasses.replace(layout, first_ids=tuple(first), last_ids=tuple(last), first_run=tuple(run))
+
+
+def _local_sequences(layout, cu_seqlens, initial_states, device):
+    """With global offsets: (local cu_seqlens, local per-sequence initial states or None)."""
+    offsets = cu_seqlens.tolist()
+    lo, hi = layout.offset, layout.offset + layout.lengths[layout.rank]
+    seqs = [i for i in range(len(offsets) - 1) if offsets[i] < hi and offsets[i + 1] > lo]
+    local = [0] + [min(offsets[i + 1], hi) - lo for i in seqs]
+    init = None
+    if initial_states is not None:
+        per_sequence = initial_states.shape[0] == len(offsets) - 1
+        rows = []
+        for i in seqs:
+            source = i if per_sequence else (0 if i == 0 else None)
+            starts_here = offsets[i] >= lo
+            rows.append(initial_states[source] if source is not None and starts_here
+                        else initial_states.new_zeros(initial_states.shape[1:]))
+        init = torch.stack(rows)
+    return torch.tensor(local, dtype=cu_seqlens.dtype, device=device), init
+
+
+def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+               cu_seqlens, dt_softplus, dt_limit, return_final_states):
+    """This rank's part of the call, after agree_scan."""
+    rank = layout.rank
+    if cu_seqlens is not None:
+        local_cu, init = _local_sequences(layout, cu_seqlens, initial_states, x.device)
+    else:
+        local_cu, init = None, initial_states if rank == 0 else None
+    link, first_run = layout.link(rank), list(layout.first_run[rank])
+    gated_here = z is not None and any(link)
+    y, end_state = autograd.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, None if gated_here else z,
+                                             dt_bias, init, seq_idx, local_cu, dt_softplus, dt_limit, True, False)
+    dtype = end_state.dtype
+    log_decay = torch.cumsum(A.to(dtype) * process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=dtype), 1)
+    entering, final_states = StateChain.apply(end_state, log_decay[:, -1], layout, group)
+    if any(link):
+        first = entering_output(C, entering, log_decay, first_run, link)
+        n = first.shape[1]
+        head = y[:, :n].to(dtype) + first
+        if gated_here:
+            f = compute_dtype(x)
+            head = head * F.silu(z[:, :n].to(f))
+            tail = y[:, n:].to(f) * F.silu(z[:, n:].to(f))
+            y = torch.cat([head, tail], 1).to(x.dtype)
+        else:
+            y = torch.cat([head.to(x.dtype), y[:, n:]], 1)
+    return (y, final_states) if return_final_states else y
