@@ -38,6 +38,11 @@ def main(argv=None):
                        help="instead: the decode and prefill-conv ops (selective_state_update, causal_conv1d_fn, "
                             "causal_conv1d_update) against mamba_ssm, causal_conv1d and HF's torch path, and a "
                             "2-layer HF Mamba-2 model patched vs unpatched")
+    bench.add_argument("--context-parallel", action="store_true",
+                       help="instead: one long sequence split over ranks (run under torchrun, one process per "
+                            "GPU; without it, two processes sharing one GPU, or the CPU)")
+    bench.add_argument("--tokens", type=int, default=None,
+                       help="--context-parallel: the sequence length (default 2^20 under torchrun, 2^16 on one GPU)")
     bench.add_argument("--stages", action="store_true",
                        help="instead: time each stage of our op alone, next to the whole call")
     tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
@@ -209,6 +214,10 @@ def compile_all(target) -> int:
 
 def bench_cmd(args) -> int:
     from .bench import forward as bench
+    if args.context_parallel:  # runs on the CPU too (a small shape, and says so)
+        from .bench.context_parallel import run_context_parallel_bench
+        run_context_parallel_bench(tokens=args.tokens, out_json=args.json)
+        return 0
     if not torch.cuda.is_available():
         print("bench needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """Spawned ranks for the context-parallel tests: each builds the same global inputs from a seed,
 runs the single-process op on the whole sequence and the context-parallel op on its slice, and
 reports the largest differences (outputs, final states, every gradient) to the parent."""
+import functools
 import os
 import traceback
 import zlib
@@ -101,12 +102,14 @@ def _inputs(seed, tokens, batch, options, groups=2, heads=4, head_size=8, state=
 SLICED = ("x", "dt", "B", "C", "z")
 
 
-def scan_case(rank, world, name, tokens, seq_rows, cu, options, backend="pytorch", dtype=F64, device="cpu"):
-    """Differences between the single-process op (whole sequence) and the context-parallel op."""
+def scan_case(rank, world, name, tokens, seq_rows, cu, options, backend="pytorch", dtype=F64, device="cpu",
+              chunk_size=16, sizes=None):
+    """Differences between the single-process op (whole sequence) and the context-parallel op.
+    sizes: _inputs' groups, heads, head_size, state (small ones by default)."""
     import tilegym_mamba2
     from tilegym_mamba2.distributed import context_parallel_scan_combined
     batch = 1 if cu is not None else 2
-    t, g = _inputs(zlib.crc32(name.encode()), tokens, batch, options)
+    t, g = _inputs(zlib.crc32(name.encode()), tokens, batch, options, **(sizes or {}))
     num_seqs = len(cu) - 1 if cu is not None else batch
     if options.get("initial_states"):
         t["initial_states"] = torch.randn(num_seqs if options["initial_states"] == "per_sequence" else batch,
@@ -125,7 +128,7 @@ def scan_case(rank, world, name, tokens, seq_rows, cu, options, backend="pytorch
 
     whole = leaves(slice(None))
     out, final = tilegym_mamba2.mamba_chunk_scan_combined(
-        chunk_size=16, seq_idx=None if seq_idx is None else seq_idx.to(device),
+        chunk_size=chunk_size, seq_idx=None if seq_idx is None else seq_idx.to(device),
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device), backend=backend, **whole, **kwargs)
     ((out.double() * weight_out.to(device)).sum() + (final.double() * weight_final.to(device)).sum()).backward()
 
@@ -133,7 +136,7 @@ def scan_case(rank, world, name, tokens, seq_rows, cu, options, backend="pytorch
     part = slice(cuts[rank], cuts[rank + 1])
     mine = leaves(part)
     cp_out, cp_final = context_parallel_scan_combined(
-        chunk_size=16, seq_idx=None if seq_idx is None else seq_idx[:, part].contiguous().to(device),
+        chunk_size=chunk_size, seq_idx=None if seq_idx is None else seq_idx[:, part].contiguous().to(device),
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device), backend=backend, **mine, **kwargs)
     # Each rank's loss takes its slice of the outputs and a 1/world share of the final states.
     ((cp_out.double() * weight_out[:, part].to(device)).sum()
@@ -157,8 +160,10 @@ def differences(out, final, whole, cp_out, cp_final, mine, part, sliced=SLICED):
 
 
 def _diff(got, want):
-    return ((got.double() - want.double()).abs().max().item(), want.double().abs().max().item(),
-            bool(torch.isfinite(got).all()))
+    """(largest |difference|, largest |want|, all finite, ||difference|| / ||want||)."""
+    diff = got.double() - want.double()
+    return (diff.abs().max().item(), want.double().abs().max().item(), bool(torch.isfinite(got).all()),
+            (diff.norm() / want.double().norm().clamp_min(1e-30)).item())
 
 
 def mixer_case(rank, world, name, tokens, seq_rows, backend="pytorch", dtype=F64, device="cpu"):
@@ -223,3 +228,79 @@ def _guarded(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except Exception:
         return {"crash": traceback.format_exc()}
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+def _scan_inputs_of(rank, tokens=24, heads=4):
+    t, _ = _inputs(3, tokens, 1, dict(D="head"), heads=heads)
+    return t
+
+
+def bad_calls(rank, world):
+    """name -> a call that is wrong on some rank (or all); each rank runs it."""
+    from tilegym_mamba2.distributed import (context_parallel_causal_conv1d, context_parallel_scan_combined,
+                                            context_parallel_split_conv1d_scan_combined)
+    scan = functools.partial(context_parallel_scan_combined, chunk_size=16, backend="pytorch")
+
+    def heads_differ():
+        t = _scan_inputs_of(rank, heads=4 if rank == 0 else 8)
+        return scan(**t)
+
+    def option_differs():
+        return scan(**_scan_inputs_of(rank), dt_softplus=rank == 0)
+
+    def one_rank_invalid():
+        t = _scan_inputs_of(rank)
+        if rank == world - 1:
+            t["dt"] = t["dt"][..., :2]
+        return scan(**t)
+
+    def cu_seqlens_short():
+        return scan(**_scan_inputs_of(rank), cu_seqlens=torch.tensor([0, 5, 24 * world - 1]))
+
+    def seq_idx_unsorted():
+        ids = torch.full((1, 24), 2 if rank == 0 else 1, dtype=torch.int32)
+        return scan(**_scan_inputs_of(rank), seq_idx=ids)
+
+    def conv_width_differs():
+        x = torch.randn(1, 6, 10, dtype=F64)
+        return context_parallel_causal_conv1d(x, torch.randn(6, 4 if rank == 0 else 3, dtype=F64))
+
+    def mixer_weight_wrong():
+        zxbcdt = torch.randn(1, 10, 2 * 8 + 2 * 4 + 2, dtype=F64)
+        weight = torch.randn(8 + 2 * 4 if rank == 0 else 5, 4, dtype=F64)
+        return context_parallel_split_conv1d_scan_combined(zxbcdt, weight, None, torch.zeros(2, dtype=F64),
+                                                           -torch.ones(2, dtype=F64), torch.ones(2, dtype=F64), 16,
+                                                           headdim=4, backend="pytorch")
+
+    return {f.__name__: f for f in (heads_differ, option_differs, one_rank_invalid, cu_seqlens_short,
+                                    seq_idx_unsorted, conv_width_differs, mixer_weight_wrong)}
+
+
+def bad_cases(rank, world):
+    """Each bad call -> (exception type, message) on this rank, and whether a good call after it
+    still works (no rank was left inside a collective)."""
+    import tilegym_mamba2.distributed as cp
+    results = {}
+    for name, call in bad_calls(rank, world).items():
+        try:
+            call()
+            raised = None
+        except Exception as e:
+            raised = (type(e).__name__, str(e))
+        good = cp.context_parallel_scan_combined(**_scan_inputs_of(rank), chunk_size=16, backend="pytorch")
+        results[name] = (raised, bool(torch.isfinite(good).all()))
+    return results
+
+
+def gpu_cases(rank, world):
+    """bf16 on the cutile backend, every rank on cuda:0: a layer-sized head and packed sequences."""
+    sizes = dict(groups=1, heads=8, head_size=64, state=64)
+    options = dict(D="head", z=True, dt_bias=True, dt_softplus=True, initial_states=True)
+    tokens = 1000
+    rows = [[0] * 300 + [1] * 400 + [2] * 300, [0] * 1000]
+    cases = {"one_sequence": (None, options), "packed": (rows, options)}
+    return {name: _guarded(scan_case, rank, world, "even", tokens, seq_rows, None, opts, backend="cutile",
+                           dtype=torch.bfloat16, device="cuda", chunk_size=64, sizes=sizes)
+            for name, (seq_rows, opts) in cases.items()}

@@ -24,6 +24,6 @@ def test_context_parallel_equals_the_single_process_op(world, case):
         assert "crash" not in per_case, per_case["crash"]
         diffs = per_case[case]
         assert "crash" not in diffs, f"rank {rank}:\n{diffs['crash']}"
-        for quantity, (err, scale, finite) in diffs.items():
+        for quantity, (err, scale, finite, _) in diffs.items():
             assert finite, f"rank {rank}: {quantity} is not finite"
             assert err <= 1e-10 * max(1.0, scale), f"rank {rank}: {quantity} differs by {err:.3e} (scale {scale:.2e})"

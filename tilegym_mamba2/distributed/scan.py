@@ -87,7 +87,7 @@ def agree_scan(group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initia
     if cu_seqlens is not None:
         offsets = cu_seqlens.tolist()
         if offsets[-1] != layout.total:
-            raise ValueError(f"cu_seqlens must end at the global number of tokens, the sum of the ranks' slices "
+            raise ValueError(f"{OP}: cu_seqlens must end at the global number of tokens, the sum of the ranks' slices "
                              f"{list(layout.lengths)} = {layout.total}, got {offsets[-1]}")
         layout = _with_offsets(layout, offsets)
     return layout
