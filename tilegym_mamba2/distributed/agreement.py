@@ -45,15 +45,15 @@ class Layout:
     """The slices of one context-parallel call, the same on every rank.
 
     lengths[r]: tokens of rank r's slice.  first_ids[r][b], last_ids[r][b]: the sequence ids of
-    row b's first and last token on rank r (0 without packing).  first_run[r][b]: tokens of
-    row b's first sequence on rank r.  tail_ids[r][b]: the ids of the last tokens of rank r's
+    row b's first and last token on rank r (0 without packing).  last_run[r][b]: tokens of
+    row b's last sequence on rank r.  tail_ids[r][b]: the ids of the last tokens of rank r's
     row b (up to the convolution's width - 1), for the halo."""
     rank: int
     size: int
     lengths: tuple
     first_ids: tuple
     last_ids: tuple
-    first_run: tuple
+    last_run: tuple
     tail_ids: tuple
 
     @property
@@ -76,13 +76,13 @@ class Layout:
 
 
 def edge_ids(seq_idx, batch: int, tokens: int, tail: int):
-    """(first ids, last ids, first-run lengths, tail ids) of this rank's rows, on the host: one
+    """(first ids, last ids, last-run lengths, tail ids) of this rank's rows, on the host: one
     small device-to-host copy of the slice's edges (nothing when there is no seq_idx)."""
     if seq_idx is None:
         return [0] * batch, [0] * batch, [tokens] * batch, [[0] * min(tail, tokens)] * batch
-    first = seq_idx[:, :1]
-    run = (seq_idx == first).sum(1, keepdim=True).to(seq_idx.dtype)
-    edges = torch.cat([first, seq_idx[:, -1:], run, seq_idx[:, tokens - min(tail, tokens):]], 1).tolist()
+    last = seq_idx[:, -1:]
+    run = (seq_idx == last).sum(1, keepdim=True).to(seq_idx.dtype)
+    edges = torch.cat([seq_idx[:, :1], last, run, seq_idx[:, tokens - min(tail, tokens):]], 1).tolist()
     return [e[0] for e in edges], [e[1] for e in edges], [e[2] for e in edges], [e[3:] for e in edges]
 
 

@@ -1,25 +1,24 @@
 """context_parallel_scan_combined: mamba_chunk_scan_combined over a sequence split along tokens.
 
-Each rank runs the single-GPU op on its slice from zero entering state (with the initial states
-of the sequences that start on it), which gives its outputs and its end state; one all-gather of
-the end states and decays (state_chain.py) gives each rank the state entering its slice, and its
-share of the outputs, exp(cumsum a dt) C h_entering over the slice's first sequence, is added by
-linearity (then the z gate). Autograd runs through all of it: the op's own backward, the
-einsum's, and the chain's reverse all-gather.
+Each rank first computes the end state of its slice's last sequence from a zero entering state
+(one matmul over its tokens, state_chain.last_run_state); one all-gather of these summaries and
+the slices' decays (state_chain.StateChain) gives every rank the state entering its slice; then
+the single-GPU op runs on the slice with that state as its first sequence's initial state, so
+the outputs come from our fused kernels in one pass. Autograd runs through all of it: the op's
+own backward (which gives the entering state's gradient), the chain's reverse all-gather and
+the summary's matmul.
 """
 import bisect
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from .. import autograd
 from ..core.registry import backend_for
-from ..core.tensors import compute_dtype
 from ..core.validation import check_scan_combined_args
 from ..reference.layer import process_dt
 from .agreement import agree, check_group_device, edge_ids, group_or_world
-from .state_chain import StateChain, entering_output
+from .state_chain import StateChain, last_run_state
 
 OP = "context_parallel_scan_combined"
 
@@ -119,12 +118,13 @@ def _with_offsets(layout, offsets):
 
     first = [[sequence_of(s)] for s in starts]
     last = [[sequence_of(s + n - 1)] for s, n in zip(starts, layout.lengths)]
-    run = [[min(offsets[f[0] + 1], s + n) - s] for f, s, n in zip(first, starts, layout.lengths)]
-    return dataclasses.replace(layout, first_ids=tuple(first), last_ids=tuple(last), first_run=tuple(run))
+    run = [[s + n - max(offsets[q[0]], s)] for q, s, n in zip(last, starts, layout.lengths)]
+    return dataclasses.replace(layout, first_ids=tuple(first), last_ids=tuple(last), last_run=tuple(run))
 
 
 def _local_sequences(layout, cu_seqlens, initial_states, device):
-    """With global offsets: (local cu_seqlens, local per-sequence initial states or None)."""
+    """With global offsets: (local cu_seqlens, the local sequences' own initial states (zeros for
+    one that goes on from the previous rank) or None, does the first go on from the previous rank)."""
     offsets = cu_seqlens.tolist()
     lo, hi = layout.offset, layout.offset + layout.lengths[layout.rank]
     seqs = [i for i in range(len(offsets) - 1) if offsets[i] < hi and offsets[i + 1] > lo]
@@ -139,33 +139,45 @@ def _local_sequences(layout, cu_seqlens, initial_states, device):
             rows.append(initial_states[source] if source is not None and starts_here
                         else initial_states.new_zeros(initial_states.shape[1:]))
         init = torch.stack(rows)
-    return torch.tensor(local, dtype=cu_seqlens.dtype, device=device), init
+    return torch.tensor(local, dtype=cu_seqlens.dtype, device=device), init, offsets[seqs[0]] < lo
 
 
 def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                cu_seqlens, dt_softplus, dt_limit, return_final_states):
-    """This rank's part of the call, after agree_scan."""
-    rank = layout.rank
+    """This rank's part of the call, after agree_scan: its last sequence's end state from zero
+    (a matmul over its tokens), the chain's all-gather, then the single-GPU op on the slice with
+    the entering state as its first sequence's initial state."""
+    rank, tokens = layout.rank, x.shape[1]
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dt_used = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=dtype)
+    log_decay = A.to(dtype) * dt_used
+    last_start = [tokens - n for n in layout.last_run[rank]]
     if cu_seqlens is not None:
-        local_cu, init = _local_sequences(layout, cu_seqlens, initial_states, x.device)
+        local_cu, own_init, goes_on = _local_sequences(layout, cu_seqlens, initial_states, x.device)
+        # the last sequence's own initial state counts when it starts here
+        last_init = None if own_init is None else own_init[-1:]   # zeros for a sequence that goes on
     else:
-        local_cu, init = None, initial_states if rank == 0 else None
-    link, first_run = layout.link(rank), list(layout.first_run[rank])
-    gated_here = z is not None and any(link)
-    y, end_state = autograd.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, None if gated_here else z,
-                                             dt_bias, init, seq_idx, local_cu, dt_softplus, dt_limit, True, False)
-    dtype = end_state.dtype
-    log_decay = torch.cumsum(A.to(dtype) * process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=dtype), 1)
-    entering, final_states = StateChain.apply(end_state, log_decay[:, -1], layout, group)
-    if any(link):
-        first = entering_output(C, entering, log_decay, first_run, link)
-        n = first.shape[1]
-        head = y[:, :n].to(dtype) + first
-        if gated_here:
-            f = compute_dtype(x)
-            head = head * F.silu(z[:, :n].to(f))
-            tail = y[:, n:].to(f) * F.silu(z[:, n:].to(f))
-            y = torch.cat([head, tail], 1).to(x.dtype)
-        else:
-            y = torch.cat([head.to(x.dtype), y[:, n:]], 1)
+        local_cu, own_init = None, None
+        starts_with_id_0 = torch.tensor([f == 0 and t for f, t in zip(layout.first_ids[0], layout.through(0))],
+                                        device=x.device)
+        last_init = (None if rank != 0 or initial_states is None
+                     else torch.where(starts_with_id_0[:, None, None, None], initial_states, 0.0))
+    end_state = last_run_state(x, B, dt_used, log_decay, last_start, last_init)
+    entering, final_states = StateChain.apply(end_state, log_decay.sum(1), layout, group)
+
+    if rank == 0:
+        init, local_seq_idx = own_init if cu_seqlens is not None else initial_states, seq_idx
+    elif cu_seqlens is not None:
+        init, local_seq_idx = own_init, None
+        if goes_on:  # the first local sequence enters with the chain's state
+            rest = own_init[1:] if own_init is not None else entering.new_zeros(local_cu.numel() - 2,
+                                                                                 *entering.shape[1:])
+            init = torch.cat([entering, rest.to(entering.dtype)])
+    else:
+        # The op starts each row's sequence with id 0 from initial_states: renumber so that the
+        # first sequence on this rank is id 0 (rows whose first sequence starts here enter with 0).
+        init = entering
+        local_seq_idx = None if seq_idx is None else seq_idx - seq_idx[:, :1]
+    y = autograd.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, init, local_seq_idx, local_cu,
+                                  dt_softplus, dt_limit, False, False)
     return (y, final_states) if return_final_states else y

@@ -58,22 +58,34 @@ class StateChain(torch.autograd.Function):
         return d_end, d_log, None, None
 
 
-def entering_output(C, entering, log_decay_cumsum, first_run, link):
-    """The entering state's share of the outputs of this rank's first sequence, [batch, n, heads,
-    head_size] in the states' dtype for the first n = max(first_run) tokens:
-    exp(cumsum of a dt up to t) * (h_entering c_t), zero (selected) outside the first sequence
-    and in rows whose first sequence starts here. The matmul runs in C's dtype for 16-bit inputs,
-    as the kernels' state term does."""
-    batch, tokens, groups, state_size = C.shape
-    heads, head_size = entering.shape[1:3]
-    n = max(first_run)
-    dtype = entering.dtype
-    runs = torch.tensor(first_run, device=C.device)
-    linked = torch.tensor(link, dtype=torch.bool, device=C.device)
-    inside = (torch.arange(n, device=C.device)[None, :] < runs[:, None]) & linked[:, None]   # [batch, n]
-    mm = C.dtype if C.dtype in (torch.bfloat16, torch.float16) else dtype
-    c_first = torch.where(inside[..., None, None], C[:, :n], 0).to(mm)
-    h = entering.to(mm).reshape(batch, groups, heads // groups, head_size, state_size)
-    ch = torch.einsum("btgn,bgrpn->btgrp", c_first, h).reshape(batch, n, heads, head_size).to(dtype)
-    decay = torch.exp(torch.where(inside[..., None], log_decay_cumsum[:, :n], 0.0))
-    return torch.where(inside[..., None, None], ch * decay[..., None], 0.0)
+def last_run_state(x, B, dt, log_decay, last_start, start_state=None):
+    """The state at the end of each row's last sequence on this rank, from ``start_state`` where
+    that sequence starts (zeros for None): sum over its tokens t of exp(sum of log decay after t)
+    dt_t x_t b_t^T, one matmul over the tokens per group (in x's dtype for 16-bit inputs, as the
+    kernels' state matmuls), plus the decayed start state.
+
+    x [batch, tokens, heads, head_size]; B [batch, tokens, groups, state_size]; dt, log_decay
+    [batch, tokens, heads] in the states' dtype; last_start[b]: the first token of row b's last
+    sequence (host ints); start_state [batch, heads, head_size, state_size] or None.
+    -> [batch, heads, head_size, state_size] in dt's dtype. Tokens of other sequences are
+    selected out, never multiplied by zero."""
+    batch, tokens, heads, head_size = x.shape
+    groups, state_size = B.shape[2:]
+    dtype = dt.dtype
+    begin = min(last_start)                      # the tokens before every row's last sequence are skipped
+    starts = torch.tensor(last_start, device=x.device)
+    inside = torch.arange(begin, tokens, device=x.device)[None, :] >= starts[:, None]          # [batch, n]
+    log_decay = torch.where(inside[..., None], log_decay[:, begin:], 0.0)
+    # Sums along tokens run over a contiguous last dimension (a strided cumsum is tens of times slower).
+    suffix = log_decay.transpose(1, 2).flip(-1).cumsum(-1).flip(-1).transpose(1, 2) - log_decay  # after t
+    weight = torch.where(inside[..., None], dt[:, begin:] * torch.exp(suffix), 0.0)
+    mm = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else dtype
+    xw, bm = x[:, begin:].to(mm) * weight.to(mm)[..., None], B[:, begin:].to(mm)
+    if max(last_start) > 0:  # a boundary on this rank: select the last sequence's tokens
+        xw = torch.where(inside[..., None, None], xw, 0.0)
+        bm = torch.where(inside[..., None, None], bm, 0.0)
+    xw = xw.reshape(batch, -1, groups, heads // groups, head_size)
+    state = torch.einsum("btgrp,btgn->bgrpn", xw, bm).reshape(batch, heads, head_size, state_size).to(dtype)
+    if start_state is not None:
+        state = state + torch.exp(log_decay.sum(1))[..., None, None] * start_state.to(dtype)
+    return state
