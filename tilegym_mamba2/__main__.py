@@ -186,7 +186,8 @@ def gradient_example(device) -> float:
 
 def compile_all(target) -> int:
     """Compiles every kernel the ops launch for ``target``; 1 (with the diagnosis printed) on failure."""
-    from .aot import compile_backward_kernels, compile_kernels, compile_layer_kernels, compile_serving_kernels
+    from .aot import (compile_backward_kernels, compile_end_state_kernels, compile_kernels, compile_layer_kernels,
+                      compile_serving_kernels)
     from .core.toolchain import explain_compile_failure
     kernels, start = 0, time.perf_counter()
     try:
@@ -200,7 +201,8 @@ def compile_all(target) -> int:
                               lambda: compile_backward_kernels(target, layer="packed")),
                              ("mamba_chunk_scan_combined backward, per-sequence states",
                               lambda: compile_backward_kernels(target, layer="sequence_states")),
-                             ("serving ops (decode step, prefill conv)", lambda: compile_serving_kernels(target))):
+                             ("serving ops (decode step, prefill conv)", lambda: compile_serving_kernels(target)),
+                             ("context-parallel summary", lambda: compile_end_state_kernels(target))):
             print(f"  {op}:")
             for name, size, seconds in compiled():
                 print(f"    {name:30s} {target}  {size:8d} bytes  {seconds:.1f} s")

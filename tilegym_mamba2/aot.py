@@ -16,6 +16,7 @@ from .backends.cutile import KERNELS
 from .backward import chunk_backward, layer_backward
 from .core.serving_validation import check_conv_args, check_conv_update_args, check_state_update_args
 from .core.validation import ScanCombinedArgs
+from .cutile.end_state import end_state, end_state_grads
 from .cutile.forward import run_stages
 from .cutile.launch import recording_launches
 from .cutile.scan_combined import run_layer
@@ -104,6 +105,20 @@ def compile_backward_kernels(target="sm_90", *, sequences=3, tokens=1000, groups
         signature = (kernel, tuple((a.dtype, a.ndim) if isinstance(a, torch.Tensor) else a for a in args))
         unique.setdefault(signature, (kernel, args))
     return _export(list(unique.values()), target)
+
+
+def compile_end_state_kernels(target="sm_90", *, batch=1, tokens=1000, groups=1, heads=8, head_size=64,
+                              state_size=128, dtype=torch.bfloat16):
+    """The kernels of a context-parallel rank's summary (cutile/end_state.py), forward and backward."""
+    x = torch.zeros(batch, tokens, heads, head_size, dtype=dtype)
+    b = torch.zeros(batch, tokens, groups, state_size, dtype=dtype)
+    per_token = torch.zeros(batch, tokens, heads)
+    starts = torch.zeros(batch, dtype=torch.int32)
+    with recording_launches() as launches:
+        end_state(x, b, per_token, per_token)
+        end_state_grads(x, b, per_token.transpose(1, 2), per_token.transpose(1, 2),
+                        torch.zeros(batch, heads, head_size, state_size), starts)
+    return _export(launches, target)
 
 
 def _export(launches, target):

@@ -1,7 +1,7 @@
 """context_parallel_scan_combined: mamba_chunk_scan_combined over a sequence split along tokens.
 
 Each rank first computes the end state of its slice's last sequence from a zero entering state
-(one matmul over its tokens, state_chain.last_run_state); one all-gather of these summaries and
+(reference/end_state.py, cutile/end_state.py); one all-gather of these summaries and
 the slices' decays (state_chain.StateChain) gives every rank the state entering its slice; then
 the single-GPU op runs on the slice with that state as its first sequence's initial state, so
 the outputs come from our fused kernels in one pass. Autograd runs through all of it: the op's
@@ -18,7 +18,7 @@ from ..core.registry import backend_for
 from ..core.validation import check_scan_combined_args
 from ..reference.layer import process_dt
 from .agreement import agree, check_group_device, edge_ids, group_or_world
-from .state_chain import StateChain, last_run_state
+from .state_chain import StateChain, slice_end_state
 
 OP = "context_parallel_scan_combined"
 
@@ -162,7 +162,7 @@ def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias
                                         device=x.device)
         last_init = (None if rank != 0 or initial_states is None
                      else torch.where(starts_with_id_0[:, None, None, None], initial_states, 0.0))
-    end_state = last_run_state(x, B, dt_used, log_decay, last_start, last_init)
+    end_state = slice_end_state(backend, x, B, dt_used, log_decay, last_start, last_init)
     entering, final_states = StateChain.apply(end_state, log_decay.sum(1), layout, group)
 
     if rank == 0:

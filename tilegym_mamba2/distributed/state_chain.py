@@ -12,6 +12,8 @@ are selects, not multiplications, so a NaN of one sequence never reaches another
 """
 import torch
 
+from ..cutile.end_state import end_state, end_state_grads
+from ..reference.end_state import decay_after, end_state_reference, run_mask
 from .agreement import all_gather
 
 
@@ -58,34 +60,41 @@ class StateChain(torch.autograd.Function):
         return d_end, d_log, None, None
 
 
-def last_run_state(x, B, dt, log_decay, last_start, start_state=None):
-    """The state at the end of each row's last sequence on this rank, from ``start_state`` where
-    that sequence starts (zeros for None): sum over its tokens t of exp(sum of log decay after t)
-    dt_t x_t b_t^T, one matmul over the tokens per group (in x's dtype for 16-bit inputs, as the
-    kernels' state matmuls), plus the decayed start state.
+class _EndStateOnKernels(torch.autograd.Function):
+    """end_state_reference on our kernels (cutile/end_state.py), forward and backward."""
 
-    x [batch, tokens, heads, head_size]; B [batch, tokens, groups, state_size]; dt, log_decay
-    [batch, tokens, heads] in the states' dtype; last_start[b]: the first token of row b's last
-    sequence (host ints); start_state [batch, heads, head_size, state_size] or None.
-    -> [batch, heads, head_size, state_size] in dt's dtype. Tokens of other sequences are
-    selected out, never multiplied by zero."""
-    batch, tokens, heads, head_size = x.shape
-    groups, state_size = B.shape[2:]
-    dtype = dt.dtype
-    begin = min(last_start)                      # the tokens before every row's last sequence are skipped
-    starts = torch.tensor(last_start, device=x.device)
-    inside = torch.arange(begin, tokens, device=x.device)[None, :] >= starts[:, None]          # [batch, n]
-    log_decay = torch.where(inside[..., None], log_decay[:, begin:], 0.0)
-    # Sums along tokens run over a contiguous last dimension (a strided cumsum is tens of times slower).
-    suffix = log_decay.transpose(1, 2).flip(-1).cumsum(-1).flip(-1).transpose(1, 2) - log_decay  # after t
-    weight = torch.where(inside[..., None], dt[:, begin:] * torch.exp(suffix), 0.0)
-    mm = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else dtype
-    xw, bm = x[:, begin:].to(mm) * weight.to(mm)[..., None], B[:, begin:].to(mm)
-    if max(last_start) > 0:  # a boundary on this rank: select the last sequence's tokens
-        xw = torch.where(inside[..., None, None], xw, 0.0)
-        bm = torch.where(inside[..., None, None], bm, 0.0)
-    xw = xw.reshape(batch, -1, groups, heads // groups, head_size)
-    state = torch.einsum("btgrp,btgn->bgrpn", xw, bm).reshape(batch, heads, head_size, state_size).to(dtype)
-    if start_state is not None:
-        state = state + torch.exp(log_decay.sum(1))[..., None, None] * start_state.to(dtype)
-    return state
+    @staticmethod
+    def forward(ctx, x, B, dt, log_decay, run_start, start_state):
+        starts = torch.tensor(run_start, dtype=torch.int32, device=x.device)
+        inside = run_mask(run_start, x.shape[1], x.device)
+        run = (x, B, dt.float(), log_decay.float())
+        if max(run_start) > 0:  # a sequence boundary in the slice: only the last run's tokens count
+            run = [torch.where(inside.view(*inside.shape, *(1,) * (t.ndim - 2)), t, 0) for t in run]
+        state = end_state(*run)
+        run_decay = torch.where(inside[..., None], log_decay, 0.0).sum(1)[..., None, None]
+        if start_state is not None:
+            state = state + torch.exp(run_decay) * start_state
+        ctx.save_for_backward(x, B, dt, log_decay, start_state, starts, run_decay)
+        ctx.run_start = run_start
+        return state
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, B, dt, log_decay, start_state, starts, run_decay = ctx.saved_tensors
+        inside = run_mask(ctx.run_start, x.shape[1], x.device)
+        after = decay_after(log_decay.float(), inside)
+        dx, d_weight, q, db = end_state_grads(x, B, after * dt.float().transpose(1, 2), after, grad.float(), starts)
+        d_log = q.cumsum(-1) - q                                     # sum of q over the tokens before
+        d_start = None
+        if start_state is not None:  # exp(run decay) S_0: every token of the run's decay
+            d_start = torch.exp(run_decay) * grad
+            d_log = d_log + torch.where(inside[:, None, :], (d_start * start_state).sum((-1, -2))[..., None], 0.0)
+        return (dx, db.to(B.dtype), d_weight.transpose(1, 2).to(dt.dtype), d_log.transpose(1, 2).to(log_decay.dtype),
+                None, d_start)
+
+
+def slice_end_state(backend, x, B, dt, log_decay, run_start, start_state=None):
+    """This rank's summary: end_state_reference on ``backend`` (the kernels for "cutile")."""
+    if backend == "cutile" and x.is_cuda:
+        return _EndStateOnKernels.apply(x, B, dt, log_decay, run_start, start_state)
+    return end_state_reference(x, B, dt, log_decay, run_start, start_state)
