@@ -93,3 +93,11 @@ def test_compile_the_chained_one_launch_path_sm90(dtype, with_init_state, head_s
                               state_size=state_size, chained=True)
     assert [name for name, _, _ in results] == ["chained_prefill_kernel"]
     assert all(size > 0 for _, size, _ in results)
+
+
+def test_compile_the_context_parallel_summary_sm90():
+    from tilegym_mamba2.aot import compile_end_state_kernels
+    results = compile_end_state_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=32)
+    assert [name for name, _, _ in results] == ["given_decay_cumsum_kernel", "segment_states_kernel",
+                                                "state_scan_kernel", "end_state_grads_kernel"]
+    assert all(size > 0 for _, size, _ in results)

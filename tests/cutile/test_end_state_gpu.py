@@ -52,7 +52,7 @@ def test_summary_and_its_gradients_match_float64(case):
 @pytest.mark.gpu
 def test_tokens_before_the_run_reach_nothing():
     x, B, dt, log_decay, _ = _inputs(1, 300, 1, 4, 64, 64, [100], False)
-    x[:, :100], B[:, :100] = float("nan"), float("inf")
+    x[:, :100], B[:, :100], dt[:, :100], log_decay[:, :100] = float("nan"), float("inf"), float("nan"), float("nan")
     leaves = [t.clone().requires_grad_() for t in (x, B, dt, log_decay)]
     state = slice_end_state("cutile", *leaves, [100])
     state.backward(torch.ones_like(state))

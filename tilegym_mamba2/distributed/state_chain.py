@@ -83,7 +83,8 @@ class _EndStateOnKernels(torch.autograd.Function):
         x, B, dt, log_decay, start_state, starts, run_decay = ctx.saved_tensors
         inside = run_mask(ctx.run_start, x.shape[1], x.device)
         after = decay_after(log_decay.float(), inside)
-        dx, d_weight, q, db = end_state_grads(x, B, after * dt.float().transpose(1, 2), after, grad.float(), starts)
+        weighted = torch.where(inside[:, None, :], after * dt.float().transpose(1, 2), 0.0)
+        dx, d_weight, q, db = end_state_grads(x, B, weighted, after, grad.float(), starts)
         d_log = q.cumsum(-1) - q                                     # sum of q over the tokens before
         d_start = None
         if start_state is not None:  # exp(run decay) S_0: every token of the run's decay

@@ -36,13 +36,14 @@ def end_state_reference(x, B, dt, log_decay, run_start, start_state=None):
     groups, state_size = B.shape[2:]
     dtype = dt.dtype
     inside = run_mask(run_start, tokens, x.device)
+    if max(run_start) > 0:  # selected first: no value of another sequence enters a product
+        x, B, dt, log_decay = (torch.where(inside.view(batch, tokens, *(1,) * (t.ndim - 2)), t, 0)
+                               for t in (x, B, dt, log_decay))
     weight = (decay_after(log_decay, inside) * dt.transpose(1, 2)).transpose(1, 2)            # [batch, tokens, heads]
     mm = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else dtype
-    xw = torch.where(inside[..., None, None], x.to(mm) * weight.to(mm)[..., None], 0.0)
-    bm = torch.where(inside[..., None, None], B.to(mm), 0.0)
+    xw, bm = x.to(mm) * weight.to(mm)[..., None], B.to(mm)
     xw = xw.reshape(batch, tokens, groups, heads // groups, head_size)
     state = torch.einsum("btgrp,btgn->bgrpn", xw, bm).reshape(batch, heads, head_size, state_size).to(dtype)
     if start_state is not None:
-        run_decay = torch.where(inside[..., None], log_decay, 0.0).sum(1)
-        state = state + torch.exp(run_decay)[..., None, None] * start_state.to(dtype)
+        state = state + torch.exp(log_decay.sum(1))[..., None, None] * start_state.to(dtype)
     return state
