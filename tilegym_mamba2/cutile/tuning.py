@@ -1,12 +1,13 @@
 """Launch configuration: chunk length, tile sizes and segment length from the problem's shape."""
 import functools
-import json
 import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
 
 import torch
+
+from .config_store import read_entries, write_entry
 
 # Measured on H200: 64-token chunks run compute_out 2x faster than 128 (0.148 against 0.313 ms on
 # the source config; the [chunk, chunk] score tile fits in registers). The math is the same at any
@@ -139,7 +140,8 @@ def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_s
 
 
 class ConfigCache:
-    """configs.json: bucket key -> Config fields. Read once, written after each new entry."""
+    """configs.json (config_store.py): bucket key -> the measured Config. Read once; each new entry
+    is merged into the file under a lock. Entries that are not a valid Config are ignored."""
 
     def __init__(self, path: str | None = None):
         self.path = path or cache_path()
@@ -147,33 +149,38 @@ class ConfigCache:
 
     def _load(self) -> dict:
         if self._entries is None:
-            try:
-                with open(self.path) as f:
-                    self._entries = json.load(f)
-            except FileNotFoundError:
-                self._entries = {}
-            except (OSError, ValueError) as e:
-                print(f"[tilegym-mamba2] ignoring unreadable tuning cache {self.path}: {e}", file=sys.stderr)
-                self._entries = {}
+            self._entries = read_entries(self.path)
         return self._entries
 
     def get(self, key: str) -> Config | None:
-        fields = self._load().get(key)
-        try:
-            return Config(**fields) if fields else None
-        except TypeError:  # written by another version
-            return None
+        return config_from_entry(self._load().get(key))
 
     def put(self, key: str, config: Config) -> None:
         self._load()[key] = asdict(config)
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(self._entries, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)  # atomic: concurrent processes never read half a file
+            self._entries = write_entry(self.path, key, asdict(config))
         except OSError as e:
             print(f"[tilegym-mamba2] could not save the tuning cache {self.path}: {e}", file=sys.stderr)
+
+
+def config_from_entry(fields) -> Config | None:
+    """A cache entry as a Config, or None when it is not one this version can use (another
+    version's fields, or values of the wrong type or range)."""
+    if not isinstance(fields, dict):
+        return None
+    try:
+        config = Config(**fields)
+    except TypeError:
+        return None
+    ints = (config.chunk_size, config.chunks_per_segment, config.state_head_tile, config.state_tile,
+            config.out_head_tile, config.out_load_latency, config.out_occupancy)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+        return None
+    if not all(isinstance(v, bool) for v in (config.group_scores, config.chained)):
+        return None
+    if min(ints[:5]) < 1 or config.chunks_per_segment > 1 << 16 or config.out_load_latency < 0:
+        return None
+    return config
 
 
 _cache = None
