@@ -309,3 +309,25 @@ def test_op_defaults_to_cutile_and_refuses_cpu_tensors():
 def test_pytorch_backend_checks_its_arguments():
     with pytest.raises(ValueError, match=r"^chunk_size"):
         mamba2_chunk_forward_pytorch(**with_(chunk_size=48))
+
+
+def _layer_inputs(groups_b=G, groups_c=G):
+    g = torch.Generator().manual_seed(3)
+    return dict(x=torch.randn(B, T, H, P, generator=g), dt=torch.rand(B, T, H, generator=g), A=-torch.ones(H),
+                B=torch.randn(B, T, groups_b, N, generator=g), C=torch.randn(B, T, groups_c, N, generator=g),
+                chunk_size=16)
+
+
+@pytest.mark.parametrize("wrong", ["B", "C"])
+def test_the_one_of_B_and_C_with_a_bad_group_count_is_named(wrong):
+    kw = _layer_inputs(**{f"groups_{wrong.lower()}": 3})
+    with pytest.raises(ValueError, match=rf"^{wrong}'s groups \(3\), its third dimension, must divide heads \({H}\)"):
+        tilegym_mamba2.mamba_chunk_scan_combined(**kw, backend="pytorch")
+
+
+def test_x_in_heads_tokens_order_is_named_as_x():
+    kw = _layer_inputs()
+    kw["x"] = kw["x"].transpose(1, 2).contiguous()            # [batch, heads, tokens, head_size]
+    with pytest.raises(ValueError, match=r"^x must be \[batch, tokens, heads, head_size\]; its shape .* reads as "
+                                         r"\[batch, heads, tokens, head_size\]"):
+        tilegym_mamba2.mamba_chunk_scan_combined(**kw, backend="pytorch")

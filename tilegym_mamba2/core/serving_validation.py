@@ -53,32 +53,39 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if state.ndim not in (3, 4):
         raise ValueError(f"state must be [slots, heads, head_size, state_size] or [slots, dim, state_size], "
                          f"got shape {tuple(state.shape)}")
+    given = {name: tuple(t.shape) for name, t in named.items() if t is not None}
     args = state_update_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
     state, x, dt, A, B, C, D, z, dt_bias = args[:9]
+
+    def expect(name, t, shape, layout):  # the caller's own shape in the message, not the lifted one
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name} must be {layout} = {tuple(shape)}"
+                             + (" (the form without heads only goes with state [slots, dim, state_size])"
+                                if len(given[name]) != t.ndim else "") + f", got {given[name]}")
 
     slots, heads, head_size, state_size = state.shape
     if x.ndim != 3:
         raise ValueError(f"x must be [batch, heads, head_size] or [batch, dim], got shape {tuple(x.shape)}")
     batch = x.shape[0]
-    _expect_shape("x", x, (batch, heads, head_size), "[batch, heads, head_size] with state's heads and head_size")
+    expect("x", x, (batch, heads, head_size), "[batch, heads, head_size] with state's heads and head_size")
     if min(batch, heads, head_size, state_size) < 1:
         raise ValueError(f"state and x must have no empty dimension, got state {tuple(state.shape)}, "
                          f"x {tuple(x.shape)}")
-    _expect_shape("dt", dt, x.shape, "[batch, heads, head_size], the shape of x")
-    _expect_shape("A", A, (heads, head_size, state_size), "[heads, head_size, state_size]")
+    expect("dt", dt, x.shape, "[batch, heads, head_size], the shape of x")
+    expect("A", A, (heads, head_size, state_size), "[heads, head_size, state_size]")
     if B.ndim != 3:
         raise ValueError(f"B must be [batch, groups, state_size] or [batch, state_size], got shape {tuple(B.shape)}")
     groups = B.shape[1]
-    _expect_shape("B", B, (batch, groups, state_size), "[batch, groups, state_size]")
+    expect("B", B, (batch, groups, state_size), "[batch, groups, state_size]")
     if groups < 1 or heads % groups:
         raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups}), the second dimension of B")
-    _expect_shape("C", C, B.shape, "[batch, groups, state_size], the shape of B")
+    expect("C", C, B.shape, "[batch, groups, state_size], the shape of B")
     if D is not None:
-        _expect_shape("D", D, (heads, head_size), "[heads, head_size]")
+        expect("D", D, (heads, head_size), "[heads, head_size]")
     if z is not None:
-        _expect_shape("z", z, x.shape, "[batch, heads, head_size], the shape of x")
+        expect("z", z, x.shape, "[batch, heads, head_size], the shape of x")
     if dt_bias is not None:
-        _expect_shape("dt_bias", dt_bias, (heads, head_size), "[heads, head_size]")
+        expect("dt_bias", dt_bias, (heads, head_size), "[heads, head_size]")
     _expect_bool("dt_softplus", dt_softplus)
     _expect_no_overlap("state", state)
     if state_batch_indices is None:

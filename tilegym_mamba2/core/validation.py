@@ -87,24 +87,39 @@ def _check_scan_inputs(named: dict, backend: str) -> tuple:
     if batch < 1 or tokens < 1 or heads < 1 or head_size < 1:
         raise ValueError(f"{nx} [batch, tokens, heads, head_size] must have no empty dimension, got {tuple(x.shape)}")
 
-    _expect_rank(nb, b, "[batch, tokens, groups, state_size]")
-    groups, state_size = b.shape[2], b.shape[3]
-    _expect_shape(nb, b, (batch, tokens, groups, state_size),
-                  f"[batch, tokens, groups, state_size] with {nx}'s batch and tokens")
-    _expect_shape(nc, c, tuple(b.shape), f"[batch, tokens, groups, state_size], the shape of {nb}")
+    _expect_x_layout(nx, x, nb, b, ndt, dt)
+    # b and c each on their own first, so that the one that is wrong is the one named.
     for name, t in ((nb, b), (nc, c)):
+        _expect_rank(name, t, "[batch, tokens, groups, state_size]")
+        if tuple(t.shape[:2]) != (batch, tokens):
+            raise ValueError(f"{name} must be [batch, tokens, groups, state_size] with {nx}'s batch and tokens "
+                             f"({batch}, {tokens}), got {tuple(t.shape)}")
+        if t.shape[2] < 1 or heads % t.shape[2]:
+            raise ValueError(f"{name}'s groups ({t.shape[2]}), its third dimension, must divide heads ({heads})")
+        if t.shape[3] < 1:
+            raise ValueError(f"state_size (last dimension of {name}) must be at least 1, got {t.shape[3]}")
         if t.dtype != x.dtype:
             raise TypeError(f"{name} must have {nx}'s dtype {x.dtype}, got {t.dtype}")
-    if groups < 1 or heads % groups:
-        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups}), the third dimension of {nb} and {nc}")
-    if state_size < 1:
-        raise ValueError(f"state_size (last dimension of {nb} and {nc}) must be at least 1, got {state_size}")
+    groups, state_size = b.shape[2], b.shape[3]
+    _expect_shape(nc, c, tuple(b.shape), f"[batch, tokens, groups, state_size], the shape of {nb}")
 
     _expect_shape(ndt, dt, (batch, tokens, heads), "[batch, tokens, heads]")
     _expect_shape(na, a, (heads,), "[heads]")
     for name, t in ((ndt, dt), (na, a)):
         _expect_float(name, t)
     return batch, tokens, heads, head_size, groups, state_size
+
+
+def _expect_x_layout(nx, x, nb, b, ndt, dt):
+    """x in [batch, heads, tokens, head_size] order (a common slip) is named as x's mistake, not
+    as b's or dt's: their tokens dimension is x's third."""
+    batch, tokens, heads = x.shape[:3]
+    if tokens == heads or not isinstance(b, torch.Tensor) or not isinstance(dt, torch.Tensor):
+        return
+    if b.ndim == 4 and b.shape[1] == heads and dt.ndim == 3 and tuple(dt.shape) == (batch, heads, tokens):
+        raise ValueError(f"{nx} must be [batch, tokens, heads, head_size]; its shape {tuple(x.shape)} reads as "
+                         f"[batch, heads, tokens, head_size] ({nb} and {ndt} have {heads} tokens): transpose "
+                         f"{nx} to [batch, tokens, heads, head_size]")
 
 
 def _check_chunk_size(chunk_size):
