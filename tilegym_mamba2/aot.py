@@ -174,7 +174,7 @@ def compile_state_update_kernels(target="sm_90", *, batch=4, slots=6, heads=8, h
               C=empty(batch, groups, state_size, dt=dtype), D=D if with_d else None,
               z=empty(batch, heads, head_size, dt=dtype) if with_z else None, dt_bias=dt_bias if with_bias else None,
               dt_softplus=softplus,
-              state_batch_indices=torch.zeros(batch, dtype=index_dtype) if with_indices else None)
+              state_batch_indices=torch.arange(batch, dtype=index_dtype) if with_indices else None)
     if without_heads:
         kw = {k: (v.squeeze(1) if k in ("state", "x", "dt", "z", "B", "C") else v.squeeze(0) if k in (
             "A", "D", "dt_bias") else v) if isinstance(v, torch.Tensor) and k != "state_batch_indices" else v
@@ -213,7 +213,7 @@ def compile_conv_update_kernels(target="sm_90", *, batch=4, slots=6, dim=320, to
         torch.empty(slots if with_indices else batch, dim, state_len, dtype=dtype),
         torch.empty(dim, width, dtype=dtype), torch.empty(dim, dtype=dtype) if with_bias else None, activation,
         torch.zeros(batch, dtype=index_dtype) if circular else None,
-        torch.zeros(batch, dtype=index_dtype) if with_indices else None, backend="pytorch")
+        torch.arange(batch, dtype=index_dtype) if with_indices else None, backend="pytorch")
     with recording_launches() as launches:
         run_conv_update(args)
     return _export(launches, target)

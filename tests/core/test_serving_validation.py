@@ -201,3 +201,80 @@ def test_state_update_reports_the_shape_the_caller_gave():
     with pytest.raises(ValueError, match=r"^D must be \[heads, head_size\] = \(4, 8\) \(the form without heads only "
                                          r"goes with state \[slots, dim, state_size\]\), got \(4,\)$"):
         tilegym_mamba2.selective_state_update(**dict(kw, D=torch.zeros(HEADS)), backend="pytorch")
+
+
+IN_PLACE_OPS = {
+    "selective_state_update": (tilegym_mamba2.selective_state_update, state_update_kw, "state", "state_batch_indices"),
+    "causal_conv1d_update": (tilegym_mamba2.causal_conv1d_update, conv_update_kw, "conv_state", "conv_state_indices"),
+}
+
+
+def _bad_buffer(kind, buffer):
+    if kind == "inference":
+        with torch.inference_mode():
+            return buffer.clone()
+    if kind == "requires_grad":
+        return buffer.clone().requires_grad_()
+    # an as_strided view whose rows overlap: no zero stride, yet elements share memory
+    flat = buffer.flatten().clone()
+    return flat.as_strided(buffer.shape, (buffer.stride(0) // 2, *buffer.stride()[1:]))
+
+
+@pytest.mark.parametrize("op", sorted(IN_PLACE_OPS))
+@pytest.mark.parametrize("kind, words", [("inference", "inference_mode"), ("requires_grad", "must not require grad"),
+                                         ("overlap", "must not share memory")])
+def test_in_place_buffers_are_checked_before_anything_is_written(op, kind, words):
+    fn, make, buffer_name, _ = IN_PLACE_OPS[op]
+    kw = make()
+    kw[buffer_name] = buffer = _bad_buffer(kind, kw[buffer_name])
+    before = buffer.detach().clone()
+    with pytest.raises(ValueError, match=rf"^{buffer_name} .*{words}"):
+        fn(**kw, backend="pytorch")
+    assert torch.equal(buffer.detach(), before)
+
+
+@pytest.mark.parametrize("op", sorted(IN_PLACE_OPS))
+@pytest.mark.parametrize("indices, words", [([SLOTS, 0], "must be below"), ([1, 1], "must not repeat a slot")])
+def test_host_indices_out_of_range_or_repeated_are_refused_before_a_write(op, indices, words):
+    fn, make, buffer_name, index_name = IN_PLACE_OPS[op]
+    kw = make()
+    kw[index_name] = torch.tensor(indices, dtype=torch.int32)
+    before = kw[buffer_name].clone()
+    with pytest.raises(ValueError, match=rf"^{index_name} {words}"):
+        fn(**kw, backend="pytorch")
+    assert torch.equal(kw[buffer_name], before)
+
+
+@pytest.mark.parametrize("op", sorted(IN_PLACE_OPS))
+def test_padding_rows_among_the_indices_are_not_repeats(op):
+    fn, make, buffer_name, index_name = IN_PLACE_OPS[op]
+    kw = make()
+    kw[index_name] = torch.tensor([-1, -1], dtype=torch.int32)
+    before = kw[buffer_name].clone()
+    out = fn(**kw, backend="pytorch")
+    assert (out == 0).all() and torch.equal(kw[buffer_name], before)
+
+
+def test_an_index_past_the_last_slot_is_a_padding_row_in_the_reference():
+    from tilegym_mamba2.core.serving_validation import state_update_args
+    from tilegym_mamba2.reference.serving import selective_state_update_reference
+    kw = state_update_kw()
+    kw["state_batch_indices"] = torch.tensor([SLOTS + 5, 0], dtype=torch.int32)   # as device indices may hold
+    before = kw["state"].clone()
+    out = selective_state_update_reference(state_update_args(**kw))
+    assert (out[0] == 0).all() and (out[1] != 0).any()
+    assert torch.equal(kw["state"][1:], before[1:])                      # only slot 0 (row 1's) is written
+
+
+@pytest.mark.parametrize("change, words", [(dict(A=torch.ones(HEADS, P, N)), "^A must be negative"),
+                                           (dict(dt=-torch.ones(BATCH, HEADS, P), dt_softplus=False, dt_bias=None),
+                                            r"^dt \(plus dt_bias\) must be >= 0")])
+def test_value_checks_on_request_name_the_argument(monkeypatch, change, words):
+    kw = dict(state_update_kw(), **change)
+    before = kw["state"].clone()
+    tilegym_mamba2.selective_state_update(**kw, backend="pytorch")       # off by default: no read, no error
+    kw["state"] = before.clone()
+    monkeypatch.setenv("TILEGYM_MAMBA2_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match=words):
+        tilegym_mamba2.selective_state_update(**kw, backend="pytorch")
+    assert torch.equal(kw["state"], before)

@@ -331,3 +331,20 @@ def test_x_in_heads_tokens_order_is_named_as_x():
     with pytest.raises(ValueError, match=r"^x must be \[batch, tokens, heads, head_size\]; its shape .* reads as "
                                          r"\[batch, heads, tokens, head_size\]"):
         tilegym_mamba2.mamba_chunk_scan_combined(**kw, backend="pytorch")
+
+
+def test_value_checks_on_request_name_a_and_dt(monkeypatch):
+    kw = make_inputs()
+    kw["a"] = torch.ones_like(kw["a"])                   # a >= 0: outputs grow without bound
+    mamba2_chunk_forward_pytorch(**kw)                   # not checked by default (it would read the device)
+    monkeypatch.setenv("TILEGYM_MAMBA2_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match=r"^a must be negative"):
+        mamba2_chunk_forward_pytorch(**kw)
+    kw = make_inputs()
+    kw["dt"] = -kw["dt"].abs() - 0.1
+    with pytest.raises(ValueError, match=r"^dt must be >= 0"):
+        mamba2_chunk_forward_pytorch(**kw)
+    layer = _layer_inputs()
+    layer["A"] = torch.ones(H)
+    with pytest.raises(ValueError, match=r"^A must be negative"):
+        tilegym_mamba2.mamba_chunk_scan_combined(**layer, backend="pytorch")

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .validation import _expect_shape, _expect_tensor, check_cutile_device
+from .validation import _expect_shape, _expect_tensor, check_cutile_device, check_values, value_checks_enabled
 
 CUTILE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PYTORCH_DTYPES = CUTILE_DTYPES + (torch.float64,)
@@ -87,7 +87,7 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if dt_bias is not None:
         expect("dt_bias", dt_bias, (heads, head_size), "[heads, head_size]")
     _expect_bool("dt_softplus", dt_softplus)
-    _expect_no_overlap("state", state)
+    _expect_writable("state", state)
     if state_batch_indices is None:
         if slots != batch:
             raise ValueError(f"state must have x's batch ({batch}) as its first dimension without "
@@ -95,6 +95,15 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     else:
         _expect_indices("state_batch_indices", state_batch_indices, batch)
     _check_devices({**named, "state_batch_indices": state_batch_indices}, backend)
+    values = {}
+    if state_batch_indices is not None and (_on_host(state_batch_indices, backend) or value_checks_enabled()):
+        values.update(_slot_checks("state_batch_indices", state_batch_indices, "state", slots))
+    if value_checks_enabled():
+        values["A must be negative (the decay exp(A dt) below 1), got a value >= 0"] = A < 0
+        if not dt_softplus:
+            raw = dt if dt_bias is None else dt + dt_bias
+            values["dt (plus dt_bias) must be >= 0 without dt_softplus"] = raw >= 0
+    check_values(values)
     if backend == "cutile" and state_size > CUTILE_MAX_STATE_SIZE:
         raise ValueError(f"state_size (last dimension of state) must be at most {CUTILE_MAX_STATE_SIZE} for the "
                          f"cutile backend, got {state_size}; the pytorch backend takes any size")
@@ -194,7 +203,7 @@ def check_conv_update_args(x, conv_state, weight, bias=None, activation=None, ca
     if state_len < width - 1:
         raise ValueError(f"conv_state's state_len (last dimension) must be at least width - 1 = {width - 1}, "
                          f"got {state_len}")
-    _expect_no_overlap("conv_state", conv_state)
+    _expect_writable("conv_state", conv_state)
     _check_activation(activation)
     if cache_seqlens is not None:
         _expect_indices("cache_seqlens", cache_seqlens, batch)
@@ -206,6 +215,8 @@ def check_conv_update_args(x, conv_state, weight, bias=None, activation=None, ca
         _expect_indices("conv_state_indices", conv_state_indices, batch)
     _check_devices({"x": x, "conv_state": conv_state, "weight": weight, "bias": bias, "cache_seqlens": cache_seqlens,
                     "conv_state_indices": conv_state_indices}, backend)
+    if conv_state_indices is not None and (_on_host(conv_state_indices, backend) or value_checks_enabled()):
+        check_values(_slot_checks("conv_state_indices", conv_state_indices, "conv_state", conv_state.shape[0]))
     return conv_update_args(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
@@ -242,10 +253,47 @@ def _expect_indices(name, t, batch):
 
 
 def _expect_no_overlap(name, t):
-    # Written in place: elements sharing memory (an expanded tensor) would race.
+    # Written in place: elements sharing memory (an expanded tensor, an overlapping as_strided
+    # view) would race. Sorted by stride, each dimension must step past all the inner ones.
     if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} is written in place and must not have a zero stride (an expanded tensor), "
                          f"got strides {t.stride()}")
+    reach = 0  # the largest offset the inner dimensions span
+    dims = sorted(((abs(s), n) for n, s in zip(t.shape, t.stride()) if n > 1))
+    for stride, size in dims:
+        if stride <= reach:
+            raise ValueError(f"{name} is written in place and its elements must not share memory, got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()}")
+        reach += (size - 1) * stride
+
+
+def _expect_writable(name, t):
+    """A buffer the op writes in place: checked before anything is written, so that a failing call
+    leaves it as it was (torch's own errors for these come after a write)."""
+    _expect_no_overlap(name, t)
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name} was made under torch.inference_mode and is written in place: call the op "
+                         f"inside torch.inference_mode() too, or pass a clone made outside it")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} is written in place and must not require grad: call the op under "
+                         f"torch.no_grad() or pass {name}.detach()")
+
+
+def _on_host(t, backend) -> bool:
+    """Indices whose values can be read without waiting for a GPU (the cutile backend's are CUDA
+    tensors: its kernels treat an out-of-range index as a padding row instead)."""
+    return backend == "pytorch" and t.device.type == "cpu"
+
+
+def _slot_checks(name, indices, state_name, slots) -> dict:
+    """What must hold of a continuous-batching index tensor (negative: a padding row)."""
+    real = indices >= 0
+    slot = torch.where(real, indices, -1 - torch.arange(indices.numel(), device=indices.device))
+    distinct = slot.sort().values
+    return {f"{name} must be below {state_name}.shape[0] = {slots} (negative for a padding row), "
+            f"got a larger index": indices < slots,
+            f"{name} must not repeat a slot (two rows would update the same {state_name} row)":
+                distinct[1:] != distinct[:-1] if indices.numel() > 1 else real | True}
 
 
 def _check_weight_bias(weight, bias, dim, dtypes, backend) -> int:

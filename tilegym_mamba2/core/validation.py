@@ -6,6 +6,8 @@ device synchronisation (a < 0, dt > 0, no NaN) are not made: they would stall th
 import functools
 from typing import NamedTuple
 
+import os
+
 import torch
 
 from .packing import seq_idx_from_cu_seqlens
@@ -52,6 +54,9 @@ def check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, *, backend: st
     _check_chunk_size(chunk_size)
     _check_device({"x": x, "a": a, "b": b, "c": c, "d": d, "dt": dt, "init_state": init_state},
                   backend, head_size, state_size, split_state=True)
+    if value_checks_enabled():
+        check_values({"a must be negative (the decay exp(a dt) below 1), got a value >= 0": a < 0,
+                      "dt must be >= 0 (it is after softplus), got a negative value": dt >= 0})
     return forward_args(x, a, b, c, d, dt, init_state, chunk_size)
 
 
@@ -163,6 +168,27 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+VALUE_CHECKS = "TILEGYM_MAMBA2_CHECK_VALUES"
+
+
+def value_checks_enabled() -> bool:
+    """TILEGYM_MAMBA2_CHECK_VALUES=1: the ops also check values that live on the device (indices
+    in range and distinct, A < 0, dt >= 0), one device-to-host read per call: for debugging, since
+    the read waits for the GPU's queued work."""
+    return os.environ.get(VALUE_CHECKS, "0") not in ("", "0")
+
+
+def check_values(checks: dict) -> None:
+    """{message: bool tensor that must be all True} -> ValueError with the first failing message;
+    every flag read back in one transfer."""
+    if not checks:
+        return
+    flags = torch.stack([t.all() for t in checks.values()]).tolist()
+    for message, ok in zip(checks, flags):
+        if not ok:
+            raise ValueError(message)
+
+
 def _expect_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -256,6 +282,8 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     _check_device({"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
                    "initial_states": initial_states, "seq_idx": seq_idx, "cu_seqlens": cu_seqlens},
                   backend, head_size, state_size)
+    if value_checks_enabled():
+        check_values({"A must be negative (the decay exp(A dt) below 1), got a value >= 0": A < 0})
     return scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                               dt_softplus, dt_limit, return_final_states, return_varlen_states)
 

@@ -19,6 +19,7 @@ or a saved one, not a settled choice (tuning.py), and a later call outside the c
 """
 import torch
 
+from ..core.validation import value_checks_enabled
 from .tuning import capturing, tuning_switches
 
 MAX_PLANS = 4096  # distinct signatures kept; beyond that the oldest half is dropped
@@ -31,13 +32,17 @@ def signature(*args, strides=False) -> tuple | None:
     """The call's signature (a hashable tuple), or None where an argument is not a tensor, None,
     a number, a string, or a tuple or list of those (such a call is checked in full). With
     ``strides``, each tensor's strides are part of it."""
+    if value_checks_enabled():  # the value checks read the values: every call is checked in full
+        return None
     parts = []
     for value in args:
         kind = type(value)
         if kind in _SCALARS:  # the type too: True == 1 == 1.0, and the checks tell them apart
             parts.append((kind, value))
         elif isinstance(value, torch.Tensor):
-            parts.append((kind, value.shape, value.dtype, value.device, strides and value.stride()))
+            # requires_grad and inference: the in-place ops' checks read them (serving_validation)
+            parts.append((kind, value.shape, value.dtype, value.device, strides and value.stride(),
+                          value.requires_grad, value.is_inference()))
         elif (kind is tuple or kind is list) and all(type(item) in _SCALARS for item in value):
             parts.append((kind, *value, *map(type, value)))
         else:

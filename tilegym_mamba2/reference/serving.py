@@ -13,7 +13,8 @@ arguments (backends/pytorch.py checks them with core/serving_validation.py).
 
 Continuous batching: with ``state_batch_indices`` / ``conv_state_indices``, batch row i uses state
 row ``indices[i]``; a negative index marks a padding row: its output is zeros and no state is
-written (mamba_ssm's and causal_conv1d's rule). Rows must use distinct state rows.
+written (mamba_ssm's and causal_conv1d's rule), and so does an index past the last state row (the
+checks refuse it where the indices are on the host). Rows must use distinct state rows.
 
 Arithmetic is in float64 when any input is float64, else in float32. Nothing reads tensor values
 on the host, so these run inside a CUDA graph capture too.
@@ -32,7 +33,7 @@ def selective_state_update_reference(args):
     state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, indices, has_heads = args
     f = compute_dtype(state, x, dt, A, B, C, D, z, dt_bias)
     heads, groups = state.shape[1], B.shape[1]
-    slots, valid = _rows(indices, x.shape[0], x.device)
+    slots, valid = _rows(indices, x.shape[0], state.shape[0], x.device)
 
     dt = dt.to(f)
     if dt_bias is not None:
@@ -103,7 +104,7 @@ def causal_conv1d_update_reference(args):
     f = compute_dtype(x3, conv_state, weight, bias)
     batch, dim, tokens = x3.shape
     width, state_len = weight.shape[1], conv_state.shape[2]
-    slots, valid = _rows(indices, batch, x3.device)
+    slots, valid = _rows(indices, batch, conv_state.shape[0], x3.device)
     old = conv_state[slots]                                            # [batch, dim, state_len]
     x_f = x3.to(f)
     if cache_seqlens is None:
@@ -134,11 +135,12 @@ def _convolve(padded, weight, tokens):
     return sum(weight[:, w][None, :, None] * padded[..., w:w + tokens] for w in range(width))
 
 
-def _rows(indices, batch, device):
-    """-> (state row of each batch row, clamped to a valid row for padding rows; is it real)."""
+def _rows(indices, batch, slots, device):
+    """-> (state row of each batch row, clamped to a valid row for padding rows; is it real).
+    An index past the last slot is a padding row too: nothing out of bounds is read or written."""
     if indices is None:
         return torch.arange(batch, device=device), torch.ones(batch, dtype=torch.bool, device=device)
-    valid = indices >= 0
+    valid = (indices >= 0) & (indices < slots)
     return torch.where(valid, indices, 0).long(), valid
 
 
