@@ -126,7 +126,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
         else:
             dinit = torch.exp(log_decay[:, 0])[..., None, None] * dh_first.to(acc)
             if seq_idx is not None:  # a row's initial state belongs to its sequence 0
-                dinit = dinit * (seq_idx[:, 0] == 0)[:, None, None, None]
+                dinit = torch.where((seq_idx[:, 0] == 0)[:, None, None, None], dinit, 0.0)
     if row_init_as_sequences:
         dinit = dinit[:1]
     elif no_init:
@@ -148,7 +148,7 @@ def _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, o
     next_decay = torch.zeros_like(log_decay)
     next_decay[:, :-1] = log_decay[:, 1:]
     if seq_idx is not None:
-        next_decay[:, :-1] *= (seq_idx[:, 1:] == seq_idx[:, :-1])[..., None]
+        next_decay[:, :-1] = torch.where((seq_idx[:, 1:] == seq_idx[:, :-1])[..., None], next_decay[:, :-1], 0.0)
     rev_decay = _reverse(next_decay, pad)
     ones = _reverse(torch.ones_like(log_decay), pad)
     return kernels.scan(_reverse(dy, pad), _reverse(C, pad), _reverse(B, pad), ones, rev_decay, rev_init, seq_rev,

@@ -81,22 +81,64 @@ def chunk_entry_states(x, b, weight, log_decay, init, seq_idx, chunk_size, dtype
         return chunked_tokens(t, chunk_size, dtype)
 
     xc, bc = chunked(x), chunked(expand_groups(b, heads))
-    w, g = chunked(weight), chunked(log_decay).cumsum(2)                         # [B, K, L, H]
-    g_end = g[:, :, -1]                                                          # [B, K, H]
     seq = _chunked_sequences(seq_idx, x, chunk_size)
+    rank, count = _sequence_ranks(seq) if seq_idx is not None else (None, 1)
+    w, g = chunked(weight), _cumsum_within_sequences(chunked(log_decay), rank, count)  # [B, K, L, H]
+    g_end = g[:, :, -1]                                                          # [B, K, H]
     end_seq = seq[:, :, -1:]
     before = torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)                      # [B, K]
-    weights = w * torch.exp(g_end[:, :, None] - g) * (seq == end_seq)[..., None]  # [B, K, L, H]
-    local = torch.einsum("bklh,bklhp,bklhn->bkhpn", weights, xc, bc)
-    keep = torch.exp(g_end) * (before == end_seq[..., 0])[..., None]             # [B, K, H]
+    # Selects, not multiplications by a 0/1 mask: no value of another sequence (NaN included)
+    # enters a product.
+    ends_here = (seq == end_seq)[..., None, None]                                # [B, K, L, 1, 1]
+    xw = torch.where(ends_here, xc * (w * torch.exp(g_end[:, :, None] - g))[..., None], 0.0)
+    local = torch.einsum("bklhp,bklhn->bkhpn", xw, torch.where(ends_here, bc, 0.0))
+    carries = (before == end_seq[..., 0])[..., None, None, None]                 # [B, K, 1, 1, 1]
     state = torch.zeros(batch, heads, head_size, b.shape[3], dtype=dtype, device=x.device)
     if init is not None:
-        state = init.to(dtype) * (seq[:, 0, 0] == 0)[:, None, None, None]
+        state = torch.where((seq[:, 0, 0] == 0)[:, None, None, None], init.to(dtype), 0.0)
     entries = []
     for k in range(chunks):
         entries.append(state)
-        state = keep[:, k, :, None, None] * state + local[:, k]
+        state = torch.where(carries[:, k], torch.exp(g_end[:, k])[..., None, None] * state, 0.0) + local[:, k]
     return torch.stack(entries, 1)
+
+
+def _sequence_ranks(seq):
+    """[B, K, L] sequence ids per chunk -> (each token's sequence's rank among its chunk's
+    sequences, the largest number of sequences in a chunk)."""
+    changes = torch.cat([torch.zeros_like(seq[..., :1]), (seq[..., 1:] != seq[..., :-1]).long()], -1)
+    rank = changes.cumsum(-1)
+    return rank, int(rank.max()) + 1
+
+
+def _cumsum_within_sequences(values, rank, count):
+    """The in-chunk cumulative sum along tokens (dim 2) of each sequence on its own: a sum that
+    ran across a boundary would carry one sequence's values (a NaN) into the next one's."""
+    if count == 1:
+        return values.cumsum(2)
+    out = torch.zeros_like(values)
+    for j in range(count):
+        mine = (rank == j)[..., None]
+        out = torch.where(mine, torch.where(mine, values, 0.0).cumsum(2), out)
+    return out
+
+
+def _within_sequences(rank, count, equation, pairs, tokens, pair_axis):
+    """einsum(equation, pairs, tokens) where ``pairs`` [.., t, s] is zero between sequences:
+    ``tokens`` (over the contracted index, its token dimension at 2) is restricted to one
+    sequence of the chunk at a time and each result selected to the tokens of that sequence
+    (pair_axis: which of the result's dimensions is the token one), so that a non-finite value
+    of one sequence never meets a zero of another's."""
+    if count == 1:
+        return torch.einsum(equation, pairs, tokens)
+    out = 0.0
+    for j in range(count):
+        mine = (rank == j)                                                           # [B, K, L]
+        shape = mine.shape + (1,) * (tokens.ndim - 3)
+        part = torch.einsum(equation, pairs, torch.where(mine.view(shape), tokens, 0.0))
+        keep = mine.view(mine.shape[:2] + (1,) * (pair_axis - 2) + mine.shape[2:] + (1,) * (part.ndim - pair_axis - 1))
+        out = out + torch.where(keep, part, 0.0)
+    return out
 
 
 def chunk_grads_reference(x, b, c, dy, weight, log_decay, entry_states, end_grads, seq_idx=None, *, chunk_size):
@@ -135,38 +177,46 @@ def chunk_grads_reference(x, b, c, dy, weight, log_decay, entry_states, end_grad
     rep = heads // groups
     xc, dyc = chunked(x), chunked(dy)
     bc, cc = chunked(expand_groups(b, heads)), chunked(expand_groups(c, heads))
-    w, g = chunked(weight), chunked(log_decay).cumsum(2)          # [B, K, L, H]
-    g_end = g[:, :, -1:]
     seq = _chunked_sequences(seq_idx, x, L)
+    rank, count = _sequence_ranks(seq) if seq_idx is not None else (None, 1)
+    w, g = chunked(weight), _cumsum_within_sequences(chunked(log_decay), rank, count)   # [B, K, L, H]
+    g_end = g[:, :, -1:]
     carried = (torch.cat([seq[:, :1, 0], seq[:, :-1, -1]], 1)[..., None] == seq)[..., None]   # [B, K, L, 1]
     going_on = (torch.cat([seq[:, 1:, 0], seq[:, -1:, -1]], 1)[..., None] == seq)[..., None]
 
     same = (seq[..., :, None] == seq[..., None, :])[:, :, None]                     # [B, K, 1, L, L]
     at_or_before = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()       # [t, s]: s <= t
+    pair_ok = at_or_before & same
     gh = g.permute(0, 1, 3, 2)                                                       # [B, K, H, L]
-    decay = torch.exp((gh[..., :, None] - gh[..., None, :]).masked_fill(~(at_or_before & same), -math.inf))
-    scores = torch.einsum("bkthn,bkshn->bkhts", cc, bc)                              # c_t . b_s
-    products = torch.einsum("bkthp,bkshp->bkhts", dyc, xc)                           # dy_t . x_s
-    from_end = torch.exp(g_end - g) * going_on                                       # [B, K, L, H]
-    into = torch.exp(g) * carried
+    # Every mask below is a select: a pair or token of another sequence contributes an exact 0
+    # whatever its values (NaN and inf included), and contractions over tokens run one sequence
+    # of the chunk at a time (_within_sequences).
+    decay = torch.exp(torch.where(pair_ok, gh[..., :, None] - gh[..., None, :], -math.inf))
+    scores = torch.where(pair_ok, torch.einsum("bkthn,bkshn->bkhts", cc, bc), 0.0)   # c_t . b_s
+    products = torch.where(pair_ok, torch.einsum("bkthp,bkshp->bkhts", dyc, xc), 0.0)  # dy_t . x_s
+    from_end = torch.where(going_on, torch.exp(g_end - g), 0.0)                      # [B, K, L, H]
+    into = torch.where(carried, torch.exp(g), 0.0)
 
-    dxs = (torch.einsum("bkhts,bkthp->bkshp", decay * scores, dyc)
-           + from_end[..., None] * torch.einsum("bkhpn,bklhn->bklhp", end_grads, bc))
-    dc = (into[..., None] * torch.einsum("bkhpn,bkthp->bkthn", entry_states, dyc)
-          + torch.einsum("bkhts,bkshn->bkthn", decay * products * w.permute(0, 1, 3, 2)[..., None, :], bc))
-    db = w[..., None] * (torch.einsum("bkhts,bkthn->bkshn", decay * products, cc)
-                         + from_end[..., None] * torch.einsum("bkhpn,bklhp->bklhn", end_grads, xc))
+    dxs = (_within_sequences(rank, count, "bkhts,bkthp->bkshp", decay * scores, dyc, 2)
+           + torch.where(going_on[..., None], from_end[..., None]
+                         * torch.einsum("bkhpn,bklhn->bklhp", end_grads, bc), 0.0))
+    weighted_b = w[..., None] * bc
+    dc = (torch.where(carried[..., None], into[..., None] * torch.einsum("bkhpn,bkthp->bkthn", entry_states, dyc), 0.0)
+          + _within_sequences(rank, count, "bkhts,bkshn->bkthn", decay * products, weighted_b, 2))
+    db = w[..., None] * (_within_sequences(rank, count, "bkhts,bkthn->bkshn", decay * products, cc, 2)
+                         + torch.where(going_on[..., None], from_end[..., None]
+                                       * torch.einsum("bkhpn,bklhp->bklhn", end_grads, xc), 0.0))
 
     # dl: pairs s < u <= t, the sum over t >= u of the sum over s < u
-    pairs = decay * w.permute(0, 1, 3, 2)[..., None, :] * scores * products          # [B, K, H, t, s]
+    pairs = torch.where(pair_ok, decay * w.permute(0, 1, 3, 2)[..., None, :] * scores * products, 0.0)
     before_u = pairs.cumsum(-1) - pairs
-    dl = (before_u * at_or_before).sum(-2).permute(0, 1, 3, 2)                       # [B, K, L, H]
-    received = into * torch.einsum("bklhp,bkhpn,bklhn->bklh", dyc, entry_states, cc)
+    dl = torch.where(at_or_before, before_u, 0.0).sum(-2).permute(0, 1, 3, 2)        # [B, K, L, H]
+    received = torch.where(carried, into * torch.einsum("bklhp,bkhpn,bklhn->bklh", dyc, entry_states, cc), 0.0)
     dl = dl + received.flip(2).cumsum(2).flip(2)
-    sent = w * from_end * torch.einsum("bklhp,bkhpn,bklhn->bklh", xc, end_grads, bc)
+    sent = torch.where(going_on, w * from_end * torch.einsum("bklhp,bkhpn,bklhn->bklh", xc, end_grads, bc), 0.0)
     dl = dl + sent.cumsum(2) - sent
     through = torch.exp(g_end) * (end_grads * entry_states).sum((-1, -2))[:, :, None]
-    dl = dl + through * (carried & going_on)
+    dl = dl + torch.where(carried & going_on, through, 0.0)
 
     def per_group(t):  # [B, K, L, H, N] -> [B, K, L, G, N]
         return t.reshape(*t.shape[:3], groups, rep, t.shape[-1]).sum(4)
