@@ -59,3 +59,79 @@ def test_layer_op_keeps_a_sequences_non_finite_values_to_itself(packing, where, 
         assert torch.equal(out[:, part], clean_out[:, part]), f"out of sequence {s}"
         for name in ("x", "dt", "B", "C", "z"):
             assert torch.equal(grads[name][:, part], clean_grads[name][:, part]), f"d{name} of sequence {s}"
+
+
+CONV_SEQ = [0] * 10 + [1] * 12 + [-1] * 3 + [2] * 9     # with padding tokens (-1) between sequences
+
+
+def _conv(x, seq, weight, bias):
+    return tilegym_mamba2.causal_conv1d_fn(x, weight, bias, seq_idx=seq, activation="silu", backend="pytorch")
+
+
+@pytest.mark.parametrize("token", [9, 21, 23, 30])   # a sequence's last token, padding, the last sequence
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_causal_conv1d_keeps_a_sequences_and_the_paddings_values_to_themselves(token, value):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 6, len(CONV_SEQ), generator=g)
+    weight, bias = torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
+    seq = torch.tensor([CONV_SEQ], dtype=torch.int32)
+    clean = _conv(x, seq, weight, bias)
+    poisoned = x.clone()
+    poisoned[0, 2, token] = value
+    out = _conv(poisoned, seq, weight, bias)
+    hit = CONV_SEQ[token]
+    others = torch.tensor([s != hit for s in CONV_SEQ])
+    assert torch.equal(out[..., others], clean[..., others])
+    assert (out[..., torch.tensor(CONV_SEQ) == -1] == 0).all()
+
+
+def test_split_conv1d_scan_keeps_a_sequences_values_to_itself():
+    g = torch.Generator().manual_seed(6)
+    nheads, headdim, dstate, tokens = 2, 4, 4, 40
+    dim = nheads * headdim
+    zxbcdt = torch.randn(1, tokens, 2 * dim + 2 * dstate + nheads, generator=g)
+    args = (torch.randn(dim + 2 * dstate, 4, generator=g), torch.randn(dim + 2 * dstate, generator=g),
+            torch.randn(nheads, generator=g), -torch.rand(nheads, generator=g) - 0.5, torch.randn(nheads, generator=g), 16)
+    seq = torch.tensor([[0] * 15 + [1] * 25], dtype=torch.int32)
+
+    def run(z):
+        leaf = z.clone().requires_grad_()
+        out = tilegym_mamba2.mamba_split_conv1d_scan_combined(leaf, *args, seq_idx=seq, headdim=headdim,
+                                                              backend="pytorch")
+        out.sum().backward()
+        return out.detach(), leaf.grad
+    clean_out, clean_grad = run(zxbcdt)
+    poisoned = zxbcdt.clone()
+    poisoned[0, 30] = float("nan")                                  # in sequence 1
+    out, grad = run(poisoned)
+    assert torch.equal(out[:, :15], clean_out[:, :15])
+    assert torch.equal(grad[:, :15], clean_grad[:, :15])
+
+
+@pytest.mark.parametrize("op", ["selective_state_update", "causal_conv1d_update"])
+def test_decode_steps_keep_a_batch_rows_values_to_its_own_slot(op):
+    g = torch.Generator().manual_seed(8)
+    slots, rows = 4, [2, -1, 0]                                     # a padding row in the middle
+    indices = torch.tensor(rows, dtype=torch.int32)
+    if op == "selective_state_update":
+        state = torch.randn(slots, 2, 4, 8, generator=g)
+        kw = dict(x=torch.randn(3, 2, 4, generator=g), dt=torch.rand(3, 2, 4, generator=g),
+                  A=-torch.rand(2, 4, 8, generator=g), B=torch.randn(3, 1, 8, generator=g),
+                  C=torch.randn(3, 1, 8, generator=g), state_batch_indices=indices)
+        call = lambda s, k: tilegym_mamba2.selective_state_update(s, **k, backend="pytorch")  # noqa: E731
+    else:
+        state = torch.randn(slots, 6, 3, generator=g)
+        kw = dict(x=torch.randn(3, 6, generator=g), weight=torch.randn(6, 4, generator=g), conv_state_indices=indices)
+        call = lambda s, k: tilegym_mamba2.causal_conv1d_update(k["x"], s, k["weight"],  # noqa: E731
+                                                                conv_state_indices=k["conv_state_indices"],
+                                                                backend="pytorch")
+    clean_state = state.clone()
+    clean = call(clean_state, kw)
+    poisoned = dict(kw, x=kw["x"].clone())
+    poisoned["x"][0] = float("nan")                                  # row 0 (slot 2) only
+    poisoned["x"][1] = float("inf")                                  # the padding row
+    out_state = state.clone()
+    out = call(out_state, poisoned)
+    assert torch.equal(out[2], clean[2]) and (out[1] == 0).all()
+    for slot in (0, 1, 3):                                           # every slot but row 0's
+        assert torch.equal(out_state[slot], clean_state[slot])

@@ -73,9 +73,11 @@ def causal_conv1d_reference(args):
         out = _convolve(padded, weight.to(f), tokens)
     else:
         # A token sees inputs of its own sequence only; positions before the row start are in none (-1).
+        # Selected, not multiplied by a 0/1 mask: an input of another sequence or of padding
+        # (NaN or inf included) contributes an exact 0.
         seq = torch.cat([torch.full((batch, width - 1), -1, dtype=seq_idx.dtype, device=x.device), seq_idx], -1)
         same = torch.stack([seq[:, w:w + tokens] == seq_idx for w in range(width)], dim=-1)  # [batch, tokens, width]
-        out = sum(weight[:, w].to(f)[None, :, None] * padded[..., w:w + tokens] * same[:, None, :, w]
+        out = sum(torch.where(same[:, None, :, w], weight[:, w].to(f)[None, :, None] * padded[..., w:w + tokens], 0.0)
                   for w in range(width))
     if bias is not None:
         out = out + bias.to(f)[None, :, None]
