@@ -1,4 +1,4 @@
-"""Command line: `python -m tilegym_mamba2 [run|check|compile|bench|tune|registry]`.
+"""Command line: `python -m tilegym_mamba2 [run|check|compile|bench|tune|registry|fuzz]`.
 
 run (default)  checks the environment and runs both ops: on a GPU our kernels against the
                float64 reference (with a timing); without one, the pytorch backend against the
@@ -49,6 +49,9 @@ def main(argv=None):
     tune.add_argument("--shapes", nargs="*", default=None,
                       help="B,T,G,H,N,P each (default: the benchmark's shapes)")
     sub.add_parser("registry", help="the ops this plugin adds to tilegym")
+    fz = sub.add_parser("fuzz", help="random cases against the float64 definitions, and malformed calls")
+    fz.add_argument("--seconds", type=float, default=60.0, help="how long to run (default 60)")
+    fz.add_argument("--seed", type=int, default=None, help="replay the one case a failure printed")
     args = parser.parse_args(argv)
     command = args.command or "run"
     if command == "run":
@@ -63,6 +66,9 @@ def main(argv=None):
         return tune_cmd(args)
     if command == "registry":
         return registry()
+    if command == "fuzz":
+        from .fuzz import fuzz
+        return 1 if fuzz(args.seconds, args.seed) else 0
 
 
 def check() -> int:

@@ -1,0 +1,202 @@
+"""``python -m tilegym_mamba2 fuzz --seconds N``: random shapes and options against the float64
+definitions, and malformed calls that must raise cleanly, until the time is up.
+
+Each case draws its own seed (printed with a failure, so that ``--seed`` replays it):
+  layer      mamba_chunk_scan_combined: ragged token counts, groups, D per head or channel, z,
+             dt_bias, softplus, dt_limit, initial states, packed sequences (seq_idx or
+             cu_seqlens, per-sequence initial states), final and varlen states; against
+             layer_token_recurrence in float64. Outputs are poisoned (NaN) first on the GPU.
+  serving    selective_state_update and causal_conv1d_update with continuous-batching indices
+             (padding rows included), causal_conv1d_fn with packed sequences; against their
+             references in float64, states compared too.
+  malformed  a valid layer or serving call with one argument broken (a shape, a dtype, a type, an
+             index out of range): it must raise ValueError or TypeError, and leave every state
+             it was given as it was.
+The cutile backend on a GPU, the pytorch backend otherwise.
+"""
+import random
+import time
+import traceback
+
+import torch
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-3}
+
+
+def _rel(got, want):
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def _layer_case(rng, device):
+    """-> (kwargs of mamba_chunk_scan_combined, dtype)."""
+    dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+    groups = rng.choice([1, 2])
+    heads = groups * rng.choice([1, 2, 4])
+    head_size, state = rng.choice([16, 32, 64]), rng.choice([16, 32, 64])
+    tokens = rng.randint(1, 300)
+    packing = rng.choice(["none", "seq_idx", "cu_seqlens"])
+    batch = 1 if packing == "cu_seqlens" else rng.randint(1, 3)
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+
+    def randn(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dt)
+    kw = dict(x=randn(batch, tokens, heads, head_size), dt=randn(batch, tokens, heads, scale=0.5),
+              A=-(torch.rand(heads, generator=g) + 0.2).to(device), B=randn(batch, tokens, groups, state, scale=0.5),
+              C=randn(batch, tokens, groups, state, scale=0.5), chunk_size=rng.choice([64, 128, 256]),
+              dt_softplus=rng.random() < 0.7)
+    if rng.random() < 0.5:
+        kw["D"] = randn(heads, dt=torch.float32) if rng.random() < 0.5 else randn(heads, head_size, dt=torch.float32)
+    if rng.random() < 0.5:
+        kw["z"] = randn(batch, tokens, heads, head_size)
+    if rng.random() < 0.5:
+        kw["dt_bias"] = randn(heads, scale=0.5, dt=torch.float32)
+    if rng.random() < 0.3:
+        kw["dt_limit"] = (0.001, rng.choice([0.5, 2.0]))
+    cuts = sorted(rng.sample(range(1, tokens), min(tokens - 1, rng.randint(0, 6)))) if tokens > 1 else []
+    if packing == "seq_idx":
+        ids = [sum(t >= c for c in cuts) for t in range(tokens)]
+        kw["seq_idx"] = torch.tensor([ids] * batch, dtype=torch.int32, device=device)
+    elif packing == "cu_seqlens":
+        kw["cu_seqlens"] = torch.tensor([0, *cuts, tokens], dtype=torch.int32, device=device)
+        kw["return_varlen_states"] = rng.random() < 0.5
+    if rng.random() < 0.5:
+        rows = len(cuts) + 1 if packing == "cu_seqlens" and rng.random() < 0.5 else batch
+        kw["initial_states"] = randn(rows, heads, head_size, state, dt=torch.float32)
+    kw["return_final_states"] = rng.random() < 0.5
+    return kw, dtype
+
+
+def check_layer(rng, backend, device):
+    import tilegym_mamba2
+    from .cutile.launch import poisoned_outputs
+    from .reference.layer import layer_token_recurrence
+    kw, dtype = _layer_case(rng, device)
+    with poisoned_outputs():
+        got = tilegym_mamba2.mamba_chunk_scan_combined(**kw, backend=backend)
+    got = got if isinstance(got, tuple) else (got,)
+    ref = layer_token_recurrence(*(kw.get(k) for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states",
+                                                       "seq_idx", "cu_seqlens")),
+                                 dt_softplus=kw["dt_softplus"], dt_limit=kw.get("dt_limit", (0.0, float("inf"))))
+    wanted = [ref[0]] + ([ref[1]] if kw["return_final_states"] else []) + \
+             ([ref[2]] if kw.get("return_varlen_states") else [])
+    errors = [_rel(a, b) for a, b in zip(got, wanted)]
+    return max(errors) <= TOLERANCE[dtype], f"errors {['%.2e' % e for e in errors]} (tolerance {TOLERANCE[dtype]})"
+
+
+def _serving_case(rng, device):
+    """-> (op name, its kwargs, the names of its in-place buffers)."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+
+    def randn(*shape, dt=dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dt)
+    batch, slots = rng.randint(1, 6), rng.randint(6, 9)
+    indices = torch.tensor(rng.sample(range(slots), batch), dtype=torch.int32)
+    indices[torch.rand(batch, generator=g) < 0.2] = -1                            # padding rows
+    op = rng.choice(["selective_state_update", "causal_conv1d_update", "causal_conv1d_fn"])
+    if op == "selective_state_update":
+        heads, groups, head, state = 4, rng.choice([1, 2]), rng.choice([16, 64]), rng.choice([16, 128])
+        kw = dict(state=randn(slots, heads, head, state, dt=torch.float32), x=randn(batch, heads, head),
+                  dt=randn(batch, heads, head, scale=0.5), A=-torch.rand(heads, head, state, generator=g).to(device),
+                  B=randn(batch, groups, state), C=randn(batch, groups, state), D=randn(heads, head),
+                  dt_bias=randn(heads, head, scale=0.3), dt_softplus=True, state_batch_indices=indices.to(device))
+        return op, kw, ("state",)
+    dim, width = rng.choice([32, 160]), rng.choice([2, 3, 4])
+    weight, bias = randn(dim, width), randn(dim)
+    if op == "causal_conv1d_update":
+        kw = dict(x=randn(batch, dim), conv_state=randn(slots, dim, width - 1 + rng.randint(0, 2)), weight=weight,
+                  bias=bias, activation="silu", conv_state_indices=indices.to(device))
+        return op, kw, ("conv_state",)
+    tokens = rng.randint(1, 200)
+    cuts = sorted(rng.sample(range(1, tokens), min(tokens - 1, 3))) if tokens > 1 else []
+    seq = torch.tensor([[sum(t >= c for c in cuts) for t in range(tokens)]], dtype=torch.int32, device=device)
+    kw = dict(x=randn(1, tokens, dim).transpose(1, 2), weight=weight, bias=bias, activation="silu",
+              seq_idx=seq if rng.random() < 0.5 else None)
+    return op, kw, ()
+
+
+def check_serving(rng, backend, device):
+    import tilegym_mamba2
+    op, kw, buffers = _serving_case(rng, device)
+    fn = getattr(tilegym_mamba2, op)
+    ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    want = fn(**ref_kw, backend="pytorch")
+    got = fn(**kw, backend=backend)
+    errors = [_rel(got, want)] + [_rel(kw[b], ref_kw[b]) for b in buffers]
+    dtype = kw["x"].dtype
+    return max(errors) <= TOLERANCE[dtype], f"{op}: errors {['%.2e' % e for e in errors]}"
+
+
+def _broken(rng, kw):
+    """One argument of a valid call broken -> (its name, the broken kwargs)."""
+    tensors = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
+    name = rng.choice(tensors)
+    t = kw[name]
+    how = rng.choice(["shape", "dtype", "type"] + (["range"] if not t.is_floating_point() else []))
+    if how == "shape":
+        broken = t.new_zeros(*t.shape[:-1], t.shape[-1] + rng.randint(1, 3)) if t.ndim else t.new_zeros(2)
+    elif how == "dtype":
+        broken = t.to(torch.int64 if t.is_floating_point() else torch.float32)
+    elif how == "type":
+        broken = t.tolist()
+    else:
+        broken = t.clone()
+        broken.view(-1)[0] = 1 << 20 if name.endswith("indices") else -5
+    return f"{name} ({how})", dict(kw, **{name: broken})
+
+
+def check_malformed(rng, backend, device):
+    import tilegym_mamba2
+    if rng.random() < 0.5:
+        kw, _ = _layer_case(rng, device)
+        fn, buffers = tilegym_mamba2.mamba_chunk_scan_combined, ()
+    else:
+        op, kw, buffers = _serving_case(rng, device)
+        fn = getattr(tilegym_mamba2, op)
+    what, kw = _broken(rng, kw)
+    before = {b: kw[b].clone() for b in buffers if isinstance(kw[b], torch.Tensor)}
+    try:
+        fn(**kw, backend=backend)
+    except (ValueError, TypeError):
+        changed = [b for b, v in before.items() if not torch.equal(kw[b], v)]
+        return not changed, f"{what}: wrote {changed} before raising" if changed else what
+    except Exception as e:  # anything else is a crash, not a clear error
+        return False, f"{what}: raised {type(e).__name__}: {e}"
+    # Some broken shapes and values are still valid calls (a longer state_len, a wider
+    # convolution with a long enough state, a padding index): those may run.
+    return "shape" in what or "range" in what, f"{what}: accepted"
+
+
+CHECKS = {"layer": check_layer, "serving": check_serving, "malformed": check_malformed}
+
+
+def fuzz(seconds=60.0, seed=None, log=print) -> int:
+    """Runs random cases for ``seconds`` (one case with ``seed``) -> the number of failures."""
+    on_gpu = torch.cuda.is_available()
+    backend, device = ("cutile", "cuda") if on_gpu else ("pytorch", "cpu")
+    log(f"fuzzing the {backend} backend on {device} for {seconds:.0f} s"
+        + ("" if on_gpu else " (a GPU runs the same cases on the cutile kernels)"))
+    master = random.Random(seed)
+    tried = {name: 0 for name in CHECKS}
+    failures = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline or (seed is not None and not sum(tried.values())):
+        case_seed = master.randrange(1 << 31) if seed is None else seed
+        rng = random.Random(case_seed)
+        kind = rng.choice(sorted(CHECKS))
+        try:
+            ok, detail = CHECKS[kind](rng, backend, device)
+        except Exception:
+            ok, detail = False, traceback.format_exc(limit=3)
+        tried[kind] += 1
+        if not ok:
+            failures.append((kind, case_seed, detail))
+            log(f"FAIL {kind} --seed {case_seed}: {detail}")
+        if seed is not None:
+            break
+    log(f"{sum(tried.values())} cases ({', '.join(f'{k} {v}' for k, v in tried.items())}), "
+        f"{len(failures)} failures")
+    return len(failures)
