@@ -109,7 +109,10 @@ def test_state_update_continuous_batching(index_dtype):
     seed = fresh_seed()
     batch, slots = 6, 11
     kw = state_update_inputs(batch, 16, 64, 128, 1, torch.bfloat16, torch.float32, seed, slots=slots)
-    indices = torch.tensor([7, -1, 0, 10, -1, 3], dtype=index_dtype, device="cuda")
+    # -1 and indices past the last slot (11, 1000: device values the host checks cannot see) are
+    # padding rows: zeros out, nothing read or written out of bounds.
+    indices = torch.tensor([7, -1, 0, 10, 11 if index_dtype == torch.int32 else 1000, 3], dtype=index_dtype,
+                           device="cuda")
     out, before = check_state_update(kw, seed, indices)
     assert torch.all(out[1] == 0) and torch.all(out[4] == 0)
     used = {7, 0, 10, 3}
@@ -272,7 +275,7 @@ def test_conv_update_two_dimensional_x_and_continuous_batching(index_dtype):
     seed = fresh_seed()
     kw = conv_update_inputs(5, 5376, 1, 4, 3, 9, torch.bfloat16, seed)
     kw["x"] = kw["x"][..., 0]
-    indices = torch.tensor([8, 0, -1, 4, 2], dtype=index_dtype, device="cuda")
+    indices = torch.tensor([8, 0, -1 if index_dtype == torch.int32 else 9, 4, 2], dtype=index_dtype, device="cuda")
     out, before = check_conv_update(kw, seed, activation="silu", conv_state_indices=indices)
     assert out.shape == (5, 5376) and torch.all(out[2] == 0)
     for slot in range(9):

@@ -30,7 +30,9 @@ def causal_conv1d_update_kernel(x, conv_state, weight, bias, cache_seqlens, indi
     row, dim_block = ct.bid(0), ct.bid(1)
     if has_indices:
         slot = ct.gather(indices, row)
-        if slot >= 0:
+        # A negative index is a padding row; so is one past the last slot: nothing out of bounds
+        # is read or written (indices live on the device, so the host checks cannot see them).
+        if (slot >= 0) & (slot < conv_state.shape[0]):
             _step(x, conv_state, weight, bias, cache_seqlens, out, row, slot, dim_block, width, token_tile,
                   dim_tile, state_tile, has_bias, circular, silu)
         else:

@@ -40,7 +40,9 @@ def selective_state_update_kernel(state, x, dt, dt_bias, A, B, C, D, z, indices,
     ct.grid_dependency_control_launch_dependents()
     if has_indices:
         slot = ct.gather(indices, row)
-        if slot >= 0:
+        # A negative index is a padding row; so is one past the last slot: nothing out of bounds
+        # is read or written (indices live on the device, so the host checks cannot see them).
+        if (slot >= 0) & (slot < state.shape[0]):
             _update(state, x, dt, dt_bias, A, B, C, D, z, out, row, slot, head, p_tile, head_tile, state_tile,
                     dt_mode, a_mode, d_mode, has_bias, has_d, has_z, softplus)
         else:
