@@ -62,38 +62,34 @@ def measure_rank(tokens, device, dtype, backend, shape, warmup, rep, single=True
     cuts = [tokens * r // world for r in range(world + 1)]
     full = inputs(tokens, device, dtype, **shape)
     mine = {k: (v[:, cuts[rank]:cuts[rank + 1]].contiguous() if v.ndim > 1 else v) for k, v in full.items()}
-    leaves = {k: v.clone().requires_grad_() for k, v in mine.items()}
     kwargs = dict(chunk_size=shape["chunk_size"], dt_softplus=True, return_final_states=True, backend=backend)
-
-    def forward():
-        with torch.no_grad():
-            context_parallel_scan_combined(**mine, **kwargs)
-
-    def train():
-        out, final = context_parallel_scan_combined(**leaves, **kwargs)
-        (out.float().sum() + final.sum()).backward()
-
+    forward_ms, train_ms = _forward_and_training_ms(context_parallel_scan_combined, mine, kwargs, device, warmup, rep)
     row = {"rank": rank, "ranks": world, "tokens": tokens, "slice": cuts[rank + 1] - cuts[rank],
-           "forward_ms": timed(forward, device, warmup, rep), "train_ms": timed(train, device, warmup, rep),
+           "forward_ms": forward_ms, "train_ms": train_ms,
            "bytes_forward": (world - 1) * summary_bytes(shape), "bytes_backward": 2 * (world - 1) * summary_bytes(shape)}
     dist.barrier()
     if single and rank == 0:
-        whole = {k: v.clone().requires_grad_() for k, v in full.items()}
-
-        def single_forward():
-            with torch.no_grad():
-                mamba_chunk_scan_combined(**full, **kwargs)
-
-        def single_train():
-            out, final = mamba_chunk_scan_combined(**whole, **kwargs)
-            (out.float().sum() + final.sum()).backward()
         try:
-            row["single_forward_ms"] = timed(single_forward, device, warmup, rep)
-            row["single_train_ms"] = timed(single_train, device, warmup, rep)
+            row["single_forward_ms"], row["single_train_ms"] = _forward_and_training_ms(
+                mamba_chunk_scan_combined, full, kwargs, device, warmup, rep)
         except torch.cuda.OutOfMemoryError:
             row["single_note"] = "the whole sequence does not fit on one GPU"
     dist.barrier()
     return row
+
+
+def _forward_and_training_ms(op, tensors, kwargs, device, warmup, rep):
+    """(forward ms without autograd, forward + backward ms) of op(**tensors, **kwargs)."""
+    leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+
+    def forward():
+        with torch.no_grad():
+            op(**tensors, **kwargs)
+
+    def train():
+        out, final = op(**leaves, **kwargs)
+        (out.float().sum() + final.sum()).backward()
+    return timed(forward, device, warmup, rep), timed(train, device, warmup, rep)
 
 
 def _spawned(rank, world, rendezvous, tokens, on_gpu, shape, warmup, rep, results):
