@@ -10,11 +10,12 @@ Each case draws its own seed (printed with a failure, so that ``--seed`` replays
              (padding rows included), causal_conv1d_fn with packed sequences; against their
              references in float64, states compared too.
   malformed  a valid layer or serving call with one argument broken (a shape, a dtype, a type, an
-             index out of range): it must raise ValueError or TypeError, and leave every state
-             it was given as it was.
+             index out of range): it must raise ValueError or TypeError naming that argument,
+             and leave every state it was given as it was.
 The cutile backend on a GPU, the pytorch backend otherwise.
 """
 import random
+import re
 import time
 import traceback
 
@@ -158,11 +159,15 @@ def check_malformed(rng, backend, device):
         fn = getattr(tilegym_mamba2, op)
     what, kw = _broken(rng, kw)
     before = {b: kw[b].clone() for b in buffers if isinstance(kw[b], torch.Tensor)}
+    name = what.split(" ")[0]
     try:
         fn(**kw, backend=backend)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError) as e:
         changed = [b for b, v in before.items() if not torch.equal(kw[b], v)]
-        return not changed, f"{what}: wrote {changed} before raising" if changed else what
+        if changed:
+            return False, f"{what}: wrote {changed} before raising"
+        # The message names the argument that was broken (or the one it must agree with).
+        return re.search(rf"\b{re.escape(name)}\b", str(e)) is not None, f"{what}: {type(e).__name__}: {e}"
     except Exception as e:  # anything else is a crash, not a clear error
         return False, f"{what}: raised {type(e).__name__}: {e}"
     # Some broken shapes and values are still valid calls (a longer state_len, a wider

@@ -198,7 +198,7 @@ def test_serving_ops_are_registered_with_tilegym():
 
 def test_state_update_reports_the_shape_the_caller_gave():
     kw = state_update_kw()
-    with pytest.raises(ValueError, match=r"^D must be \[heads, head_size\] = \(4, 8\) \(the form without heads only "
+    with pytest.raises(ValueError, match=r"^D must be \[heads, head_size\] \(state's\) = \(4, 8\) \(the form without heads only "
                                          r"goes with state \[slots, dim, state_size\]\), got \(4,\)$"):
         tilegym_mamba2.selective_state_update(**dict(kw, D=torch.zeros(HEADS)), backend="pytorch")
 

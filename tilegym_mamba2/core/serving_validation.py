@@ -72,20 +72,20 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         raise ValueError(f"state and x must have no empty dimension, got state {tuple(state.shape)}, "
                          f"x {tuple(x.shape)}")
     expect("dt", dt, x.shape, "[batch, heads, head_size], the shape of x")
-    expect("A", A, (heads, head_size, state_size), "[heads, head_size, state_size]")
+    expect("A", A, (heads, head_size, state_size), "[heads, head_size, state_size] (state's)")
     if B.ndim != 3:
         raise ValueError(f"B must be [batch, groups, state_size] or [batch, state_size], got shape {tuple(B.shape)}")
     groups = B.shape[1]
-    expect("B", B, (batch, groups, state_size), "[batch, groups, state_size]")
+    expect("B", B, (batch, groups, state_size), "[batch, groups, state_size] (x's batch, state's state_size)")
     if groups < 1 or heads % groups:
         raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups}), the second dimension of B")
     expect("C", C, B.shape, "[batch, groups, state_size], the shape of B")
     if D is not None:
-        expect("D", D, (heads, head_size), "[heads, head_size]")
+        expect("D", D, (heads, head_size), "[heads, head_size] (state's)")
     if z is not None:
         expect("z", z, x.shape, "[batch, heads, head_size], the shape of x")
     if dt_bias is not None:
-        expect("dt_bias", dt_bias, (heads, head_size), "[heads, head_size]")
+        expect("dt_bias", dt_bias, (heads, head_size), "[heads, head_size] (state's)")
     _expect_bool("dt_softplus", dt_softplus)
     _expect_writable("state", state)
     if state_batch_indices is None:
@@ -150,7 +150,7 @@ def check_conv_args(x, weight, bias=None, seq_idx=None, initial_states=None, ret
         _expect_tensor("seq_idx", seq_idx)
         if seq_idx.dtype not in INDEX_DTYPES:
             raise TypeError(f"seq_idx must be an int32 or int64 tensor, got {seq_idx.dtype}")
-        _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, seqlen]")
+        _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, seqlen] (x's batch and seqlen)")
         if initial_states is not None:
             raise ValueError("initial_states must be None when seq_idx is given (as in causal_conv1d)")
         if return_final_states:
@@ -201,8 +201,8 @@ def check_conv_update_args(x, conv_state, weight, bias=None, activation=None, ca
     width = _check_weight_bias(weight, bias, dim, dtypes, backend)
     state_len = conv_state.shape[2]
     if state_len < width - 1:
-        raise ValueError(f"conv_state's state_len (last dimension) must be at least width - 1 = {width - 1}, "
-                         f"got {state_len}")
+        raise ValueError(f"conv_state's state_len (last dimension) must be at least width - 1 = {width - 1} "
+                         f"(weight's width {width}), got {state_len}")
     _expect_writable("conv_state", conv_state)
     _check_activation(activation)
     if cache_seqlens is not None:

@@ -242,8 +242,8 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     if D is not None:
         _expect_tensor("D", D)
         if tuple(D.shape) not in ((heads,), (heads, head_size)):
-            raise ValueError(f"D must be [heads] = {(heads,)} or [heads, head_size] = {(heads, head_size)}, "
-                             f"got {tuple(D.shape)}")
+            raise ValueError(f"D must be [heads] = {(heads,)} or [heads, head_size] = {(heads, head_size)} "
+                             f"(x's heads and head_size), got {tuple(D.shape)}")
         _expect_float("D", D)
     if z is not None:
         _expect_tensor("z", z)
@@ -276,7 +276,8 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
             layouts = " or ".join(str(s) for s in sorted(allowed))
             raise ValueError(f"initial_states must be [batch, heads, head_size, state_size]"
                              f"{' or [num_sequences, heads, head_size, state_size]' if num_sequences else ''}"
-                             f" = {layouts}, got {tuple(initial_states.shape)}")
+                             f" = {layouts} (x's batch, heads and head_size, B's state_size), got "
+                             f"{tuple(initial_states.shape)}")
         _expect_float("initial_states", initial_states)
 
     _check_device({"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
