@@ -165,7 +165,7 @@ def check_conv_args(x, weight, bias=None, seq_idx=None, initial_states=None, ret
         _expect_tensor("final_states_out", final_states_out)
         _expect_shape("final_states_out", final_states_out, (batch, dim, width - 1), "[batch, dim, width - 1]")
         _expect_dtype("final_states_out", final_states_out, dtypes, backend)
-        _expect_no_overlap("final_states_out", final_states_out)
+        _expect_writable("final_states_out", final_states_out)
     _check_devices({"x": x, "weight": weight, "bias": bias, "seq_idx": seq_idx, "initial_states": initial_states,
                     "final_states_out": final_states_out}, backend)
     return ConvArgs(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, silu)
