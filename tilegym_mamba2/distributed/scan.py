@@ -145,8 +145,8 @@ def _local_sequences(layout, cu_seqlens, initial_states, device):
 def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                cu_seqlens, dt_softplus, dt_limit, return_final_states):
     """This rank's part of the call, after agree_scan: its last sequence's end state from zero
-    (a matmul over its tokens), the chain's all-gather, then the single-GPU op on the slice with
-    the entering state as its first sequence's initial state."""
+    (state_chain.slice_end_state), the chain's all-gather, then the single-GPU op on the slice
+    with the entering state as its first sequence's initial state."""
     rank, tokens = layout.rank, x.shape[1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     dt_used = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=dtype)
