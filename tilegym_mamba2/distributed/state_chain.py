@@ -13,7 +13,7 @@ are selects, not multiplications, so a NaN of one sequence never reaches another
 import torch
 
 from ..cutile.end_state import end_state, end_state_grads
-from ..reference.end_state import decay_after, end_state_reference, run_mask
+from ..reference.end_state import decay_after, end_state_reference, only_the_run, run_mask
 from .agreement import all_gather
 
 
@@ -69,19 +69,17 @@ class _EndStateOnKernels(torch.autograd.Function):
         inside = run_mask(run_start, x.shape[1], x.device)
         run = (x, B, dt.float(), log_decay.float())
         if max(run_start) > 0:  # a sequence boundary in the slice: only the last run's tokens count
-            run = [torch.where(inside.view(*inside.shape, *(1,) * (t.ndim - 2)), t, 0) for t in run]
+            run = only_the_run(inside, *run)
         state = end_state(*run)
         run_decay = torch.where(inside[..., None], log_decay, 0.0).sum(1)[..., None, None]
         if start_state is not None:
             state = state + torch.exp(run_decay) * start_state
-        ctx.save_for_backward(x, B, dt, log_decay, start_state, starts, run_decay)
-        ctx.run_start = run_start
+        ctx.save_for_backward(x, B, dt, log_decay, start_state, starts, run_decay, inside)
         return state
 
     @staticmethod
     def backward(ctx, grad):
-        x, B, dt, log_decay, start_state, starts, run_decay = ctx.saved_tensors
-        inside = run_mask(ctx.run_start, x.shape[1], x.device)
+        x, B, dt, log_decay, start_state, starts, run_decay, inside = ctx.saved_tensors
         after = decay_after(log_decay.float(), inside)
         weighted = torch.where(inside[:, None, :], after * dt.float().transpose(1, 2), 0.0)
         dx, d_weight, q, db = end_state_grads(x, B, weighted, after, grad.float(), starts)

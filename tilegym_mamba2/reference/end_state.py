@@ -17,6 +17,11 @@ def run_mask(run_start, tokens, device):
     return torch.arange(tokens, device=device)[None, :] >= starts[:, None]
 
 
+def only_the_run(inside, *tensors):
+    """Each [batch, tokens, ...] tensor with the tokens outside the run selected to 0."""
+    return [torch.where(inside.view(*inside.shape, *(1,) * (t.ndim - 2)), t, 0) for t in tensors]
+
+
 def decay_after(log_decay, inside):
     """exp(sum of log decay after t within the run) [batch, heads, tokens], zero outside it.
     log_decay [batch, tokens, heads]. The sum runs along a contiguous last dimension (a strided
@@ -37,8 +42,7 @@ def end_state_reference(x, B, dt, log_decay, run_start, start_state=None):
     dtype = dt.dtype
     inside = run_mask(run_start, tokens, x.device)
     if max(run_start) > 0:  # selected first: no value of another sequence enters a product
-        x, B, dt, log_decay = (torch.where(inside.view(batch, tokens, *(1,) * (t.ndim - 2)), t, 0)
-                               for t in (x, B, dt, log_decay))
+        x, B, dt, log_decay = only_the_run(inside, x, B, dt, log_decay)
     weight = (decay_after(log_decay, inside) * dt.transpose(1, 2)).transpose(1, 2)            # [batch, tokens, heads]
     mm = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else dtype
     xw, bm = x.to(mm) * weight.to(mm)[..., None], B.to(mm)
