@@ -99,6 +99,51 @@ def test_chunk_backward_matches_float64(batch, tokens, groups, heads, state, hea
         assert torch.equal(grads[6], torch.zeros_like(grads[6]))
 
 
+# TileGym's own mamba2 backward test: its shapes (batch, tokens, groups, heads, state, head, chunk)
+# and its elementwise (atol, rtol) per gradient, db and dc summed over each group's heads.
+TILEGYM_SHAPES = [(1, 64, 1, 4, 16, 32, 64), (2, 128, 1, 4, 16, 32, 64), (1, 64, 2, 4, 16, 32, 64),
+                  (2, 128, 2, 8, 32, 64, 64), (1, 192, 1, 4, 16, 32, 64), (2, 256, 2, 8, 64, 64, 64),
+                  (2, 64, 1, 8, 16, 64, 64), (1, 192, 1, 4, 64, 64, 64), (1, 256, 4, 4, 128, 64, 128)]
+TILEGYM_TOLERANCES = {"dx": (4e-2, 4e-2), "da": (1e-2, 1e-2), "db": (5e-2, 4e-2), "dc": (4e-2, 4e-2),
+                      "dd": (1e-2, 1e-2), "ddt": (8e-2, 8e-2), "dinit_state": (1e-2, 1e-2)}
+
+
+@pytest.mark.parametrize("dt_shift", [0.0, -2.0], ids=["tilegym_dt", "small_dt"])
+@pytest.mark.parametrize("shape", TILEGYM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_chunk_backward_elementwise_at_tilegym_tolerances(shape, dt_shift):
+    """Every gradient within TileGym's elementwise tolerances of float64 on its test's shapes, for
+    three seeds, in the dtypes tilegym's own op returns (dx, db, dc in x's, ddt in dt's, the rest
+    fp32). dt_shift 0.0 draws dt as its test does (fast decays, few tokens in each sum)."""
+    from tilegym_mamba2.testing import Mamba2ProblemSpec
+    first = fresh_seed() % 2**30
+    for seed in range(first, first + 3):
+        spec = Mamba2ProblemSpec(*shape, torch.bfloat16, torch.float32, seed=seed, dt_shift=dt_shift)
+        r = spec.get_sample_inputs()
+        args = [r[k] for k in ("x", "a", "b", "c", "d", "dt", "init_state", "dout", "dfinal_state")]
+        with poisoned_outputs():
+            grads = tilegym_mamba2.mamba2_chunk_backward(*args, spec.chunk_size)
+        names = ("dx", "da", "db", "dc", "dd", "ddt", "dinit_state")
+        dtypes = (torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16,
+                  torch.float32)
+        assert tuple(g.dtype for g in grads) == dtypes, (seed, [g.dtype for g in grads])
+        batch, tokens, groups, heads = shape[:4]
+        worst = {}
+        for name, got in zip(names, grads):
+            ref = r[name]
+            if name in ("db", "dc"):
+                ref = ref.view(batch, tokens, groups, heads // groups, -1).sum(3)
+            assert got.shape == ref.shape, (name, got.shape, ref.shape)
+            atol, rtol = TILEGYM_TOLERANCES[name]
+            ratio = (got.double() - ref).abs() / (atol + rtol * ref.abs())
+            worst[name] = torch.where(torch.isfinite(ratio), ratio, torch.inf).max().item()
+        if ERRORS_LOG:
+            with open(ERRORS_LOG, "a") as log:
+                log.write(f"tilegym_tolerances {shape} dt_shift={dt_shift} seed={seed} "
+                          + " ".join(f"{n}={w:.3f}" for n, w in worst.items()) + "\n")
+        bad = {n: w for n, w in worst.items() if not w <= 1}
+        assert not bad, f"seed={seed}: worst |error| / allowed above 1: {bad} (all: {worst})"
+
+
 def test_fp32_backward_follows_torch_matmul_precision():
     """fp32 inputs: at PyTorch's default float32 matmul precision ("highest") the backward's mma
     keep fp32 operands, at "high" they take tf32 ones (tensor cores), as torch's own matmuls do:

@@ -29,7 +29,7 @@ def test_field_names_and_defaults():
     fields = dataclasses.fields(Mamba2ProblemSpec)
     assert [f.name for f in fields] == [
         "batch_size", "num_tokens", "num_groups", "num_heads", "state_size", "head_size",
-        "chunk_size", "dtype", "state_dtype", "device", "seed",
+        "chunk_size", "dtype", "state_dtype", "device", "seed", "dt_shift",
     ]
     spec = Mamba2ProblemSpec(1, 1, 1, 1, 1, 1)
     assert (spec.chunk_size, spec.dtype, spec.state_dtype, spec.seed) == (128, torch.bfloat16, torch.float32, 0)
@@ -57,6 +57,8 @@ def test_spec_is_frozen():
         ("state_dtype", "float32"),
         ("device", "not-a-device"),
         ("seed", -1),
+        ("dt_shift", float("nan")),
+        ("dt_shift", "0"),
     ],
 )
 def test_rejects_bad_fields(field, value):
@@ -159,6 +161,14 @@ def test_inputs_in_distribution():
         assert inputs[k].float().min() > -0.3
     state = inputs["init_state"]
     assert torch.isfinite(state).all() and state.abs().max() > 0
+
+
+def test_dt_shift_moves_dt():
+    """dt = softplus(randn + dt_shift): median softplus(-2) = 0.127 by default, softplus(0) = 0.693
+    at TileGym's draw."""
+    medians = [small_spec(num_tokens=500, dt_shift=shift).get_sample_inputs(with_reference=False)["dt"].float()
+               .median().item() for shift in (-2.0, 0.0)]
+    assert 0.1 < medians[0] < 0.16 and 0.6 < medians[1] < 0.8, medians
 
 
 def test_references_match_token_recurrence():

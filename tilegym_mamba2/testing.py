@@ -8,6 +8,7 @@ float64 references.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,9 @@ class Mamba2ProblemSpec:
     state_dtype: torch.dtype = torch.float32
     device: str | torch.device | None = None
     seed: int = 0
+    # dt = softplus(randn + dt_shift): the default keeps dt small, as trained models have it;
+    # 0.0 draws dt as TileGym's own test file does (about 0.8, decays of 1-16 per token).
+    dt_shift: float = -2.0
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -76,6 +80,9 @@ class Mamba2ProblemSpec:
                 raise ValueError(f"{name} must be a floating-point torch.dtype, got {value!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if isinstance(self.dt_shift, bool) or not isinstance(self.dt_shift, (int, float)) or not math.isfinite(
+                self.dt_shift):
+            raise ValueError(f"dt_shift must be a finite number, got {self.dt_shift!r}")
 
         device = self.device
         if device is None:
@@ -140,8 +147,7 @@ class Mamba2ProblemSpec:
             x = F.silu(randn(B, num_tokens, H, P))
             b = F.silu(randn(B, num_tokens, G, N))
             c = F.silu(randn(B, num_tokens, G, N))
-            # Shifted softplus keeps dt small and positive, as trained models do.
-            dt = F.softplus(randn(B, num_tokens, H) - 2)
+            dt = F.softplus(randn(B, num_tokens, H) + self.dt_shift)
             return x, b, c, dt
 
         x, b, c, dt = tokens(T)
