@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .core.packing import seq_idx_from_cu_seqlens
+from .core.quarantine import Quarantine, cleaned
 from .core.tensors import expand_groups, group_sums
 from .core.validation import check_scan_combined_args
 from .reference.layer import process_dt, process_dt_slope
@@ -49,7 +50,35 @@ def scan_combined_backward(kernels_for, dout, dfinal_states, dvarlen_states, x, 
     the input is None. ``kernels_for(dtype)``: the backend's Kernels for inputs of that dtype."""
     saved = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                      dt_softplus, dt_limit, True, dvarlen_states is not None, backend=backend)
-    return layer_backward(kernels_for(x.dtype), saved, dout, dfinal_states, dvarlen_states)
+    kernels = kernels_for(x.dtype)
+    if kernels.isolates_sequences or (saved.seq_idx is None and saved.cu_seqlens is None):
+        return layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states)
+    return _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states)
+
+
+def _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states):
+    """layer_backward on kernels that keep packed sequences apart by zero weights
+    (core/quarantine.py): a sequence with a non-finite input or output gradient gets NaN
+    gradients, and no other sequence sees its values."""
+    x = saved.x
+    quarantine = Quarantine(saved.seq_idx, saved.cu_seqlens, x.shape[0], x.shape[1], x.device)
+    quarantine.mark_tokens(x, saved.dt, saved.B, saved.C, saved.z, dout)
+    per_sequence_init = (saved.initial_states is not None and saved.cu_seqlens is not None
+                         and saved.initial_states.shape[0] != x.shape[0])
+    if per_sequence_init:
+        quarantine.mark_sequences(saved.initial_states)
+    else:
+        quarantine.mark_row_firsts(saved.initial_states)
+    quarantine.mark_row_lasts(dfinal_states)
+    quarantine.mark_sequences(dvarlen_states)
+    clean = saved._replace(x=cleaned(x), dt=cleaned(saved.dt), B=cleaned(saved.B), C=cleaned(saved.C),
+                           z=cleaned(saved.z), initial_states=cleaned(saved.initial_states))
+    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = layer_backward(
+        kernels, clean, cleaned(dout), cleaned(dfinal_states), cleaned(dvarlen_states))
+    tokens, shared = quarantine.poison_tokens, quarantine.poison_shared
+    dinit = quarantine.poison_sequences(dinit) if per_sequence_init else quarantine.poison_row_firsts(dinit)
+    return (tokens(dx), tokens(ddt), shared(dA), tokens(dB), tokens(dC), shared(dD), tokens(dz), shared(ddt_bias),
+            dinit)
 
 
 class Kernels(NamedTuple):
@@ -62,6 +91,9 @@ class Kernels(NamedTuple):
     chunk_grads: Callable
     chunk_size: int = 64
     reversed_scan: Callable | None = None
+    # False for kernels that apply sequence boundaries as zero weights, where 0 * NaN would let a
+    # non-finite value cross: their packed calls run quarantined (core/quarantine.py).
+    isolates_sequences: bool = True
 
 
 def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None, seq_idx=None, cu_seqlens=None,

@@ -1,13 +1,30 @@
 """One packed sequence's values never reach another's outputs, states or gradients, NaN and inf
-included (the pytorch backend, on the CPU): every op with packed sequences or batch slots, a
-non-finite value planted in one sequence, the others compared bit for bit with a clean run."""
+included: every op with packed sequences or batch slots, a non-finite value planted in one
+sequence, the others compared with a clean run. The pytorch backend (on the CPU) selects per
+sequence: bit for bit. The cutile backend (on the GPU) quarantines (core/quarantine.py): the
+planted sequence comes out NaN, the others as from finite inputs, equal to fp32 rounding
+(the kernels' decay sums run across a chunk's sequences)."""
 import pytest
 import torch
 
 import tilegym_mamba2
 
-CU = [0, 17, 50, 70]
-TOKENS, HEADS, P, N, G = 70, 4, 8, 8, 2
+CU = [0, 17, 50, 70]          # three sequences, all in the cutile kernels' first 64-token chunk
+TOKENS, HEADS, P, N, G = 70, 4, 16, 16, 2
+BACKENDS = ["pytorch", pytest.param("cutile", marks=pytest.mark.gpu)]
+
+
+def _device(backend):
+    return "cuda" if backend == "cutile" else "cpu"
+
+
+def _same(got, want, backend, what):
+    """Bit for bit on the pytorch backend; on the cutile backend to fp32 rounding, NaN never."""
+    if backend == "pytorch":
+        assert torch.equal(got, want), what
+    else:
+        assert torch.isfinite(got).all(), what
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=what)
 
 
 def _layer_inputs(dtype=torch.float32):
@@ -19,10 +36,10 @@ def _layer_inputs(dtype=torch.float32):
                 B=r(1, TOKENS, G, N), C=r(1, TOKENS, G, N), D=r(HEADS), z=r(1, TOKENS, HEADS, P), dt_bias=r(HEADS))
 
 
-def _run_layer(inputs, dout, packing):
+def _run_layer(inputs, dout, packing, backend):
     leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
     out, final = tilegym_mamba2.mamba_chunk_scan_combined(**leaves, chunk_size=16, dt_softplus=True,
-                                                          return_final_states=True, backend="pytorch", **packing)
+                                                          return_final_states=True, backend=backend, **packing)
     (out * dout).sum().backward()
     return out.detach(), {k: v.grad for k, v in leaves.items()}
 
@@ -34,15 +51,18 @@ def _sequence_of(token):
 PLANTS = [("dout", 52), ("x", 20), ("B", 60), ("C", 5), ("dt", 49), ("z", 17)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("packing", ["cu_seqlens", "seq_idx"])
 @pytest.mark.parametrize("where, token", PLANTS)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_layer_op_keeps_a_sequences_non_finite_values_to_itself(packing, where, token, value):
-    inputs = _layer_inputs()
-    dout = torch.randn(1, TOKENS, HEADS, P, generator=torch.Generator().manual_seed(2))
+def test_layer_op_keeps_a_sequences_non_finite_values_to_itself(backend, packing, where, token, value):
+    device = _device(backend)
+    inputs = {k: v.to(device) for k, v in _layer_inputs().items()}
+    dout = torch.randn(1, TOKENS, HEADS, P, generator=torch.Generator().manual_seed(2)).to(device)
     pack = ({"cu_seqlens": torch.tensor(CU, dtype=torch.int32)} if packing == "cu_seqlens" else
             {"seq_idx": torch.tensor([[_sequence_of(t) for t in range(TOKENS)]], dtype=torch.int32)})
-    clean_out, clean_grads = _run_layer(inputs, dout, pack)
+    pack = {k: v.to(device) for k, v in pack.items()}
+    clean_out, clean_grads = _run_layer(inputs, dout, pack, backend)
     poisoned = dict(inputs)
     if where == "dout":
         dout = dout.clone()
@@ -50,81 +70,95 @@ def test_layer_op_keeps_a_sequences_non_finite_values_to_itself(packing, where, 
     else:
         poisoned[where] = inputs[where].clone()
         poisoned[where][0, token] = value
-    out, grads = _run_layer(poisoned, dout, pack)
+    out, grads = _run_layer(poisoned, dout, pack, backend)
     hit = _sequence_of(token)
     for s in range(len(CU) - 1):
-        if s == hit:
-            continue
         part = slice(CU[s], CU[s + 1])
-        assert torch.equal(out[:, part], clean_out[:, part]), f"out of sequence {s}"
+        if s == hit:   # the value is not lost: its sequence's gradients and the shared ones see it
+            assert not all(torch.isfinite(grads[n][:, part]).all() for n in ("x", "dt", "B", "C", "z"))
+            assert not torch.isfinite(grads["A"]).all()
+            continue
+        _same(out[:, part], clean_out[:, part], backend, f"out of sequence {s}")
         for name in ("x", "dt", "B", "C", "z"):
-            assert torch.equal(grads[name][:, part], clean_grads[name][:, part]), f"d{name} of sequence {s}"
+            _same(grads[name][:, part], clean_grads[name][:, part], backend, f"d{name} of sequence {s}")
 
 
 CONV_SEQ = [0] * 10 + [1] * 12 + [-1] * 3 + [2] * 9     # with padding tokens (-1) between sequences
 
 
-def _conv(x, seq, weight, bias):
-    return tilegym_mamba2.causal_conv1d_fn(x, weight, bias, seq_idx=seq, activation="silu", backend="pytorch")
+def _conv(x, seq, weight, bias, backend):
+    return tilegym_mamba2.causal_conv1d_fn(x, weight, bias, seq_idx=seq, activation="silu", backend=backend)
 
 
+# The convolution's masks are selects on every backend: bit for bit on both.
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("token", [9, 21, 23, 30])   # a sequence's last token, padding, the last sequence
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_causal_conv1d_keeps_a_sequences_and_the_paddings_values_to_themselves(token, value):
+def test_causal_conv1d_keeps_a_sequences_and_the_paddings_values_to_themselves(backend, token, value):
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(1, 6, len(CONV_SEQ), generator=g)
-    weight, bias = torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
-    seq = torch.tensor([CONV_SEQ], dtype=torch.int32)
-    clean = _conv(x, seq, weight, bias)
+    device = _device(backend)
+    x = torch.randn(1, 6, len(CONV_SEQ), generator=g).to(device)
+    weight, bias = torch.randn(6, 4, generator=g).to(device), torch.randn(6, generator=g).to(device)
+    seq = torch.tensor([CONV_SEQ], dtype=torch.int32, device=device)
+    clean = _conv(x, seq, weight, bias, backend)
     poisoned = x.clone()
     poisoned[0, 2, token] = value
-    out = _conv(poisoned, seq, weight, bias)
+    out = _conv(poisoned, seq, weight, bias, backend)
     hit = CONV_SEQ[token]
-    others = torch.tensor([s != hit for s in CONV_SEQ])
+    others = torch.tensor([s != hit for s in CONV_SEQ], device=device)
     assert torch.equal(out[..., others], clean[..., others])
-    assert (out[..., torch.tensor(CONV_SEQ) == -1] == 0).all()
+    assert (out[..., torch.tensor(CONV_SEQ, device=device) == -1] == 0).all()
 
 
-def test_split_conv1d_scan_keeps_a_sequences_values_to_itself():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_conv1d_scan_keeps_a_sequences_values_to_itself(backend):
     g = torch.Generator().manual_seed(6)
-    nheads, headdim, dstate, tokens = 2, 4, 4, 40
+    device = _device(backend)
+    nheads, headdim, dstate, tokens = 2, 16, 16, 40
     dim = nheads * headdim
-    zxbcdt = torch.randn(1, tokens, 2 * dim + 2 * dstate + nheads, generator=g)
-    args = (torch.randn(dim + 2 * dstate, 4, generator=g), torch.randn(dim + 2 * dstate, generator=g),
-            torch.randn(nheads, generator=g), -torch.rand(nheads, generator=g) - 0.5, torch.randn(nheads, generator=g), 16)
-    seq = torch.tensor([[0] * 15 + [1] * 25], dtype=torch.int32)
+    zxbcdt = torch.randn(1, tokens, 2 * dim + 2 * dstate + nheads, generator=g).to(device)
+    args = tuple(t.to(device) for t in (
+        torch.randn(dim + 2 * dstate, 4, generator=g), torch.randn(dim + 2 * dstate, generator=g),
+        torch.randn(nheads, generator=g), -torch.rand(nheads, generator=g) - 0.5, torch.randn(nheads, generator=g))) + (16,)
+    seq = torch.tensor([[0] * 15 + [1] * 25], dtype=torch.int32, device=device)
 
     def run(z):
         leaf = z.clone().requires_grad_()
         out = tilegym_mamba2.mamba_split_conv1d_scan_combined(leaf, *args, seq_idx=seq, headdim=headdim,
-                                                              backend="pytorch")
+                                                              backend=backend)
         out.sum().backward()
         return out.detach(), leaf.grad
     clean_out, clean_grad = run(zxbcdt)
     poisoned = zxbcdt.clone()
     poisoned[0, 30] = float("nan")                                  # in sequence 1
     out, grad = run(poisoned)
-    assert torch.equal(out[:, :15], clean_out[:, :15])
-    assert torch.equal(grad[:, :15], clean_grad[:, :15])
+    assert not torch.isfinite(out[:, 15:]).all() or not torch.isfinite(grad[:, 15:]).all()
+    _same(out[:, :15], clean_out[:, :15], backend, "out of sequence 0")
+    _same(grad[:, :15], clean_grad[:, :15], backend, "dzxbcdt of sequence 0")
 
 
+# Decode rows are independent on every backend: bit for bit on both.
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["selective_state_update", "causal_conv1d_update"])
-def test_decode_steps_keep_a_batch_rows_values_to_its_own_slot(op):
+def test_decode_steps_keep_a_batch_rows_values_to_its_own_slot(backend, op):
     g = torch.Generator().manual_seed(8)
+    device = _device(backend)
     slots, rows = 4, [2, -1, 0]                                     # a padding row in the middle
-    indices = torch.tensor(rows, dtype=torch.int32)
+    indices = torch.tensor(rows, dtype=torch.int32, device=device)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(device)
     if op == "selective_state_update":
-        state = torch.randn(slots, 2, 4, 8, generator=g)
-        kw = dict(x=torch.randn(3, 2, 4, generator=g), dt=torch.rand(3, 2, 4, generator=g),
-                  A=-torch.rand(2, 4, 8, generator=g), B=torch.randn(3, 1, 8, generator=g),
-                  C=torch.randn(3, 1, 8, generator=g), state_batch_indices=indices)
-        call = lambda s, k: tilegym_mamba2.selective_state_update(s, **k, backend="pytorch")  # noqa: E731
+        state = r(slots, 2, 16, 16)
+        kw = dict(x=r(3, 2, 16), dt=r(3, 2, 16).abs(), A=-r(2, 16, 16).abs(), B=r(3, 1, 16), C=r(3, 1, 16),
+                  state_batch_indices=indices)
+        call = lambda s, k: tilegym_mamba2.selective_state_update(s, **k, backend=backend)  # noqa: E731
     else:
-        state = torch.randn(slots, 6, 3, generator=g)
-        kw = dict(x=torch.randn(3, 6, generator=g), weight=torch.randn(6, 4, generator=g), conv_state_indices=indices)
+        state = r(slots, 6, 3)
+        kw = dict(x=r(3, 6), weight=r(6, 4), conv_state_indices=indices)
         call = lambda s, k: tilegym_mamba2.causal_conv1d_update(k["x"], s, k["weight"],  # noqa: E731
                                                                 conv_state_indices=k["conv_state_indices"],
-                                                                backend="pytorch")
+                                                                backend=backend)
     clean_state = state.clone()
     clean = call(clean_state, kw)
     poisoned = dict(kw, x=kw["x"].clone())

@@ -9,6 +9,7 @@ import torch
 from ..autograd import differentiable_chunk_forward, differentiable_scan_combined, wanted
 from ..backward import Kernels, chunk_backward, scan_combined_backward
 from ..core.packing import scan_returns
+from ..core.quarantine import Quarantine, cleaned
 from ..core.toolchain import compile_errors_explained
 from ..core.validation import (NO_LIMIT, check_backward_args, check_forward_args, check_scan_combined_args, forward_args,
                                scan_combined_args)
@@ -19,7 +20,8 @@ from ..cutile.scan_combined import layer_config, run_layer
 MAX_STATE = 256  # the widest state a kernel carries; wider ones run in halves
 
 # What backward.py runs on: the forward's kernels as scans, the reversed walk, chunk_grads.
-KERNELS = Kernels(scan.scan, scan.chunk_grads, reversed_scan=scan.reversed_scan)
+# Their packed calls run quarantined (core/quarantine.py): the kernels mask by zero weights.
+KERNELS = Kernels(scan.scan, scan.chunk_grads, reversed_scan=scan.reversed_scan, isolates_sequences=False)
 
 
 def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
@@ -77,8 +79,30 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         if config is None:
             config = layer_config(*args[:14], with_varlen_states=return_varlen_states)
             plan.remember(key, config)
-        out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states, config=config)
+        if args.seq_idx is None and args.cu_seqlens is None:
+            out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states, config=config)
+        else:
+            out, final_states, varlen = _quarantined_layer(args, config)
     return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
+
+
+def _quarantined_layer(args, config):
+    """run_layer on packed sequences (core/quarantine.py): the kernels keep sequences apart by
+    zero weights, so a sequence with a non-finite input runs on zeros there and comes out NaN."""
+    x = args.x
+    quarantine = Quarantine(args.seq_idx, args.cu_seqlens, x.shape[0], x.shape[1], x.device)
+    quarantine.mark_tokens(x, args.dt, args.B, args.C, args.z)
+    per_sequence_init = (args.initial_states is not None and args.cu_seqlens is not None
+                         and args.initial_states.shape[0] != x.shape[0])
+    if per_sequence_init:
+        quarantine.mark_sequences(args.initial_states)
+    else:
+        quarantine.mark_row_firsts(args.initial_states)
+    clean = args._replace(x=cleaned(x), dt=cleaned(args.dt), B=cleaned(args.B), C=cleaned(args.C),
+                          z=cleaned(args.z), initial_states=cleaned(args.initial_states))
+    out, final_states, varlen = run_layer(*clean[:14], with_varlen_states=args.return_varlen_states, config=config)
+    return (quarantine.poison_tokens(out), quarantine.poison_row_lasts(final_states),
+            quarantine.poison_sequences(varlen))
 
 
 def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
