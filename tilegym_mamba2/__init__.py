@@ -8,7 +8,7 @@ differentiable (autograd, torch.compile).
 """
 import torch
 
-from . import autograd
+from . import autograd, serving_ops
 from .core.registry import backend_for as _backend, implementation, install
 from .testing import Mamba2ProblemSpec
 
@@ -104,6 +104,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     dt = softplus?(dt + dt_bias); state = exp(A dt) state + dt x B^T; out = state C + D x; out *= silu(z).
     Returns out like x, in x's dtype.
     """
+    if torch.compiler.is_compiling():  # traced as one op, the state declared written (serving_ops.py)
+        return serving_ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+                                                  state_batch_indices, backend or "")
     op = "selective_state_update"
     return implementation(op, _backend(op, backend, x))(
         state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
@@ -127,6 +130,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     out[t] = act(bias + sum_w weight[:, w] x[t - (width - 1) + w]). Returns out like x (x's dtype),
     then the final states if asked.
     """
+    if torch.compiler.is_compiling():
+        return serving_ops.causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                            final_states_out, activation, backend)
     op = "causal_conv1d_fn"
     return implementation(op, _backend(op, backend, x))(
         x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation)
@@ -150,6 +156,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
 
     Returns out like x, in x's dtype.
     """
+    if torch.compiler.is_compiling():
+        return serving_ops.causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                                                conv_state_indices, backend or "")
     op = "causal_conv1d_update"
     return implementation(op, _backend(op, backend, x))(
         x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
