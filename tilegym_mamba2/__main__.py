@@ -38,6 +38,9 @@ def main(argv=None):
                        help="instead: the decode and prefill-conv ops (selective_state_update, causal_conv1d_fn, "
                             "causal_conv1d_update) against mamba_ssm, causal_conv1d and HF's torch path, and a "
                             "2-layer HF Mamba-2 model patched vs unpatched")
+    bench.add_argument("--decode-graphs", action="store_true",
+                       help="with --serving: instead, a Mamba2-2.7B-shaped HF model (64 layers, random, bf16) "
+                            "decoding through CUDA graphs, against the patched eager model and HF's torch path")
     bench.add_argument("--context-parallel", action="store_true",
                        help="instead: one long sequence split over ranks (run under torchrun, one process per "
                             "GPU; without it, two processes sharing one GPU, or the CPU)")
@@ -239,6 +242,12 @@ def bench_cmd(args) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
         print(backward_table(rows))
+        return 0
+    if args.serving and args.decode_graphs:
+        from .bench.decode import run_decode_bench
+        rows = run_decode_bench()
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
         return 0
     if args.serving:
         from .bench.serving import run_serving_bench
