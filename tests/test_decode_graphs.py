@@ -148,13 +148,14 @@ def test_gpu_graph_decoding_bf16_logits_and_sampling():
               return_dict_in_generate=True)
     with torch.no_grad():
         want = model.generate(ids, do_sample=False, **kw)
-        enable_decode_graphs(model)
+        apply_tilegym_kernel_to_mamba2(model=model, cuda_graphs=True)   # the documented switch
         try:
             got = model.generate(ids, do_sample=False, **kw)
             torch.manual_seed(5)
             sampled = model.generate(ids, do_sample=True, top_k=20, **kw).sequences
         finally:
-            disable_decode_graphs(model)
+            apply_tilegym_kernel_to_mamba2(model=model)                 # again without: graphs off
+        assert not hasattr(model, "_tilegym_mamba2_decode_graphs")
         torch.manual_seed(5)
         sampled_eager = model.generate(ids, do_sample=True, top_k=20, **kw).sequences
     for a, b in zip(got.logits, want.logits):

@@ -39,6 +39,8 @@ import torch
 
 import tilegym_mamba2
 
+from .decode_graphs import disable_decode_graphs, enable_decode_graphs
+
 logger = logging.getLogger(__name__)
 
 # Our serving functions, and the flag that chooses ours for each.
@@ -109,6 +111,7 @@ def apply_tilegym_kernel_to_mamba2(
     ssm: bool = True,
     model: torch.nn.Module | None = None,
     use_cutile: bool = False,
+    cuda_graphs: bool = False,
 ) -> None:
     """Run transformers' Mamba-2 mixers (prefill and decode) on tilegym_mamba2's functions.
 
@@ -137,6 +140,9 @@ def apply_tilegym_kernel_to_mamba2(
         use_cutile: True runs every call on our cuTile kernels (CUDA tensors only). False (the
             default) picks cuTile for CUDA tensors and the pytorch backend for others, so a
             patched model runs on a CPU too.
+        cuda_graphs: with ``model`` (a Mamba2ForCausalLM on CUDA), also decode through CUDA graphs:
+            every decode step of ``generate()`` replays a graph of the whole step, captured once
+            per batch-size bucket (tilegym_mamba2.decode_graphs; prefill stays eager).
 
     Calling it again replaces the earlier patch (flags included); it never stacks.
     ``revert_tilegym_kernel_to_mamba2`` undoes it.
@@ -147,6 +153,8 @@ def apply_tilegym_kernel_to_mamba2(
         ValueError: ``model`` has no Mamba-2 mixer this patch knows.
     """
     backend = "cutile" if use_cutile else None
+    if cuda_graphs and model is None:
+        raise ValueError("cuda_graphs: decode graphs belong to one model; pass model=")
     if model is None:
         for cls, structure, problem in _mixer_classes(import_missing=True):
             if problem is not None:
@@ -174,16 +182,22 @@ def apply_tilegym_kernel_to_mamba2(
     if patched == 0:
         names = ", ".join(name for _, name in MIXERS)
         raise ValueError(f"model: {type(model).__name__} has no Mamba-2 mixer that tilegym_mamba2 patches ({names})")
+    if cuda_graphs:
+        enable_decode_graphs(model)
+    else:  # a call again replaces the patch, flags included
+        disable_decode_graphs(model)
 
 
 def revert_tilegym_kernel_to_mamba2(model: torch.nn.Module | None = None) -> None:
-    """Undoes ``apply_tilegym_kernel_to_mamba2`` for the mixer classes (model None) or one model."""
+    """Undoes ``apply_tilegym_kernel_to_mamba2`` for the mixer classes (model None) or one model
+    (its decode graphs too)."""
     if model is None:
         for cls, _, _ in _mixer_classes(import_missing=False):
             forward = cls.__dict__.get("forward")
             if hasattr(forward, _ORIGINAL):
                 cls.forward = getattr(forward, _ORIGINAL)
         return
+    disable_decode_graphs(model)
     for module in model.modules():
         forward = module.__dict__.get("forward")
         if hasattr(getattr(forward, "__func__", None), _ORIGINAL):
