@@ -19,12 +19,16 @@ def _device(backend):
 
 
 def _same(got, want, backend, what):
-    """Bit for bit on the pytorch backend; on the cutile backend to fp32 rounding, NaN never."""
+    """Bit for bit on the pytorch backend; on the cutile backend no non-finite value, and equal to
+    fp32 rounding in norm (a sum that cancels across a chunk's sequences can move single small
+    elements by more: docs/design.md, "Reliability")."""
     if backend == "pytorch":
         assert torch.equal(got, want), what
-    else:
-        assert torch.isfinite(got).all(), what
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=what)
+        return
+    assert torch.isfinite(got).all(), what
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    worst = (got - want).abs().max().item()
+    assert err < 1e-5, f"{what}: relative error {err:.2e} in norm, largest difference {worst:.2e}"
 
 
 def _layer_inputs(dtype=torch.float32):
