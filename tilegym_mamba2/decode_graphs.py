@@ -23,6 +23,7 @@ per batch-size bucket and replayed: the host then costs one input copy and one r
 Not graphed (the eager path runs): training, autograd recording, inputs_embeds, more than one new
 token, batch above the largest bucket, output_hidden_states, labels, non-CUDA models.
 """
+import inspect
 import sys
 
 import torch
@@ -60,6 +61,8 @@ class DecodeGraphs:
     def __init__(self, model, buckets=BUCKETS, use_graphs=True):
         self.model = model
         self.eager = type(model).forward.__get__(model)
+        # generate() reads the forward's parameters (whether to pass logits_to_keep, say).
+        self.__signature__ = inspect.signature(self.eager)
         self.buckets = sorted(set(int(b) for b in buckets))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {tuple(buckets)}")
