@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .core.packing import seq_idx_from_cu_seqlens
-from .core.quarantine import Quarantine, cleaned
+from .core.quarantine import cleaned, quarantine_layer
 from .core.tensors import expand_groups, group_sums
 from .core.validation import check_scan_combined_args
 from .reference.layer import process_dt, process_dt_slope
@@ -60,23 +60,15 @@ def _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_sta
     """layer_backward on kernels that keep packed sequences apart by zero weights
     (core/quarantine.py): a sequence with a non-finite input or output gradient gets NaN
     gradients, and no other sequence sees its values."""
-    x = saved.x
-    quarantine = Quarantine(saved.seq_idx, saved.cu_seqlens, x.shape[0], x.shape[1], x.device)
-    quarantine.mark_tokens(x, saved.dt, saved.B, saved.C, saved.z, dout)
-    per_sequence_init = (saved.initial_states is not None and saved.cu_seqlens is not None
-                         and saved.initial_states.shape[0] != x.shape[0])
-    if per_sequence_init:
-        quarantine.mark_sequences(saved.initial_states)
-    else:
-        quarantine.mark_row_firsts(saved.initial_states)
+    quarantine, clean = quarantine_layer(saved)
+    quarantine.mark_tokens(dout)
     quarantine.mark_row_lasts(dfinal_states)
     quarantine.mark_sequences(dvarlen_states)
-    clean = saved._replace(x=cleaned(x), dt=cleaned(saved.dt), B=cleaned(saved.B), C=cleaned(saved.C),
-                           z=cleaned(saved.z), initial_states=cleaned(saved.initial_states))
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = layer_backward(
         kernels, clean, cleaned(dout), cleaned(dfinal_states), cleaned(dvarlen_states))
     tokens, shared = quarantine.poison_tokens, quarantine.poison_shared
-    dinit = quarantine.poison_sequences(dinit) if per_sequence_init else quarantine.poison_row_firsts(dinit)
+    dinit = (quarantine.poison_sequences(dinit) if quarantine.per_sequence_init
+             else quarantine.poison_row_firsts(dinit))
     return (tokens(dx), tokens(ddt), shared(dA), tokens(dB), tokens(dC), shared(dD), tokens(dz), shared(ddt_bias),
             dinit)
 

@@ -9,7 +9,7 @@ import torch
 from ..autograd import differentiable_chunk_forward, differentiable_scan_combined, wanted
 from ..backward import Kernels, chunk_backward, scan_combined_backward
 from ..core.packing import scan_returns
-from ..core.quarantine import Quarantine, cleaned
+from ..core.quarantine import quarantine_layer
 from ..core.toolchain import compile_errors_explained
 from ..core.validation import (NO_LIMIT, check_backward_args, check_forward_args, check_scan_combined_args, forward_args,
                                scan_combined_args)
@@ -89,17 +89,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 def _quarantined_layer(args, config):
     """run_layer on packed sequences (core/quarantine.py): the kernels keep sequences apart by
     zero weights, so a sequence with a non-finite input runs on zeros there and comes out NaN."""
-    x = args.x
-    quarantine = Quarantine(args.seq_idx, args.cu_seqlens, x.shape[0], x.shape[1], x.device)
-    quarantine.mark_tokens(x, args.dt, args.B, args.C, args.z)
-    per_sequence_init = (args.initial_states is not None and args.cu_seqlens is not None
-                         and args.initial_states.shape[0] != x.shape[0])
-    if per_sequence_init:
-        quarantine.mark_sequences(args.initial_states)
-    else:
-        quarantine.mark_row_firsts(args.initial_states)
-    clean = args._replace(x=cleaned(x), dt=cleaned(args.dt), B=cleaned(args.B), C=cleaned(args.C),
-                          z=cleaned(args.z), initial_states=cleaned(args.initial_states))
+    quarantine, clean = quarantine_layer(args)
     out, final_states, varlen = run_layer(*clean[:14], with_varlen_states=args.return_varlen_states, config=config)
     return (quarantine.poison_tokens(out), quarantine.poison_row_lasts(final_states),
             quarantine.poison_sequences(varlen))

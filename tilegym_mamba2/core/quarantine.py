@@ -54,6 +54,7 @@ class Quarantine:
             self.keys = starts.cumsum(1) + torch.arange(batch, device=device)[:, None] * tokens
         self.first_is_zero = seq_idx[:, 0] == 0  # a row's initial state belongs to its sequence 0
         self.marks = torch.zeros(batch * tokens, dtype=torch.int32, device=device)
+        self.per_sequence_init = False  # set by quarantine_layer
 
     def _mark(self, keys, flags):
         self.marks.index_add_(0, keys.reshape(-1), flags.reshape(-1).to(torch.int32))
@@ -103,3 +104,22 @@ class Quarantine:
 
     def poison_shared(self, t):
         return self._poison(t, self._marked.any())
+
+
+def quarantine_layer(args):
+    """For the layer op's checked arguments (validation.ScanCombinedArgs) with packed sequences:
+    -> (a Quarantine with every sequence marked whose inputs hold a non-finite value, the
+    arguments with those values replaced by 0). ``quarantine.per_sequence_init``: the initial
+    states are one per sequence (with cu_seqlens) rather than one per row."""
+    x = args.x
+    quarantine = Quarantine(args.seq_idx, args.cu_seqlens, x.shape[0], x.shape[1], x.device)
+    quarantine.mark_tokens(x, args.dt, args.B, args.C, args.z)
+    quarantine.per_sequence_init = (args.initial_states is not None and args.cu_seqlens is not None
+                                    and args.initial_states.shape[0] != x.shape[0])
+    if quarantine.per_sequence_init:
+        quarantine.mark_sequences(args.initial_states)
+    else:
+        quarantine.mark_row_firsts(args.initial_states)
+    clean = args._replace(x=cleaned(x), dt=cleaned(args.dt), B=cleaned(args.B), C=cleaned(args.C),
+                          z=cleaned(args.z), initial_states=cleaned(args.initial_states))
+    return quarantine, clean
