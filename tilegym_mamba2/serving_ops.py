@@ -61,16 +61,21 @@ def _causal_conv1d_fn(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: T
     result = implementation(op, _backend(op, backend, x))(
         x, weight, bias, seq_idx, initial_states, final_states is not None, final_states, activation)
     out = result[0] if final_states is not None else result
-    layout = _conv_out(x)
-    # The compiled graph relies on the fake's strides; the cutile kernel writes them already.
-    return out if out.stride() == layout.stride() else layout.copy_(out)
+    # The compiled graph relies on the fake's strides; the cutile kernel writes them already, so
+    # only another backend's output is copied.
+    laid_out = out.transpose(1, 2).is_contiguous() if _channel_last(x) else out.is_contiguous()
+    return out if laid_out else _conv_out(x).copy_(out)
+
+
+def _channel_last(x):
+    return x.stride(1) == 1 and x.shape[2] > 1
 
 
 def _conv_out(x):
     """The output's layout: channel-last (x's stride 1 along dim, as HF's mixer passes it) or
     contiguous, as the cutile kernel allocates it."""
     batch, dim, tokens = x.shape
-    if x.stride(1) == 1 and tokens > 1:
+    if _channel_last(x):
         return x.new_empty(batch, tokens, dim).transpose(1, 2)
     return x.new_empty(batch, dim, tokens)
 
