@@ -15,7 +15,7 @@ from tilegym_mamba2.decode_graphs import (  # noqa: E402
     DecodeGraphs, _get, _slots, disable_decode_graphs, enable_decode_graphs)
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
-from test_transformers import greedy, prompt, tiny_mamba2  # noqa: E402 (pytest puts tests/ on sys.path)
+from test_transformers import greedy, only_5_17, prompt, tiny_mamba2  # noqa: E402 (pytest puts tests/ on sys.path)
 
 
 def _decode_inputs(device="cpu"):
@@ -61,6 +61,50 @@ def test_a_decode_step_compiles_without_graph_breaks_and_updates_states_in_place
         assert torch.equal(a, b)
     assert torch.equal(state, state2) and torch.equal(conv_state, conv_state2)
     assert not torch.equal(state2, t["state"])                      # written in place, through the graph
+
+
+def _compiled_decode_steps(model, steps, **compile_kw):
+    """Greedy decode steps of a patched model, eager and through torch.compile(fullgraph=True),
+    each from its own prefill: -> (eager logits, compiled logits), one per step."""
+    ids = prompt(batch=2, tokens=9, device=next(model.parameters()).device)
+
+    def decode(step):
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            cache, token, got = out.cache_params, out.logits[:, -1:].argmax(-1), []
+            for i in range(steps):
+                position = torch.tensor([ids.shape[1] + i], device=ids.device)
+                got.append(step(token, cache, position))
+                token = got[-1][:, -1:].argmax(-1)
+        return got
+
+    def eager(token, cache, position):
+        return model(input_ids=token, cache_params=cache, use_cache=True, cache_position=position).logits
+
+    torch._dynamo.reset()
+    return decode(eager), decode(torch.compile(eager, fullgraph=True, **compile_kw))
+
+
+@only_5_17
+def test_a_patched_models_decode_step_compiles_whole():
+    """transformers 5.17's decode step with every piece ours (the serving ops and the norms as
+    custom ops) traces as one graph: fullgraph=True raises at any break."""
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    want, got = _compiled_decode_steps(model, 3, backend="aot_eager")
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@only_5_17
+def test_gpu_reduce_overhead_compile_of_a_patched_decode_step():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_mamba2(device="cuda")
+    apply_tilegym_kernel_to_mamba2(model=model)
+    want, got = _compiled_decode_steps(model, 4, mode="reduce-overhead")
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def _left_padded(batch, device):
@@ -128,6 +172,7 @@ def test_gpu_graph_decoding_gives_the_eager_greedy_tokens_in_fp32(batch):
     apply_tilegym_kernel_to_mamba2(model=model)
     ids, mask = _left_padded(batch, "cuda")
     want = greedy(model, ids, attention_mask=mask)
+    assert torch.equal(greedy(tiny_mamba2(device="cuda"), ids, attention_mask=mask), want)   # HF's torch path
     enable_decode_graphs(model, buckets=(1, 4, 8))
     try:
         got = greedy(model, ids, attention_mask=mask)

@@ -164,6 +164,26 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
+def rms_norm(x, weight, gate=None, eps=1e-6, group_size=None, *, backend=None):
+    """Hugging Face's Mamba-2 RMSNorm (``gate`` None: Mamba2RMSNorm) and gated RMSNorm
+    (MambaRMSNormGated), in one kernel.
+
+    Args:
+        x: [..., width];  weight: [width];  gate: like x or None.
+        eps: added to the mean square;  group_size: normalise each group of this many values of
+            the last dimension on its own (None: the whole width).
+        backend: None (cuTile for CUDA tensors, "pytorch" for others) or a backend name.
+
+    h = x * silu(gate); h = h / sqrt(mean(h^2) + eps) (fp32); out = weight * h rounded to x's
+    dtype (the rounding is the HF modules'). Returns out like x, in torch's promotion of weight's
+    and x's dtypes. Not differentiable: a patched model uses it outside autograd only.
+    """
+    if torch.compiler.is_compiling():
+        return serving_ops.rms_norm(x, weight, gate, eps, group_size, backend or "")
+    op = "rms_norm"
+    return implementation(op, _backend(op, backend, x))(x, weight, gate, eps, group_size)
+
+
 def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
                                      initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
                                      return_final_states=False, activation="silu", rmsnorm_weight=None,
@@ -201,4 +221,5 @@ install()
 
 __all__ = ["Mamba2ProblemSpec", "mamba2_chunk_backward", "mamba2_chunk_forward", "mamba_chunk_scan_combined",
            "mamba_split_conv1d_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update",
+           "rms_norm",
            "__version__"]

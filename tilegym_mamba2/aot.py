@@ -14,7 +14,8 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
 
 from .backends.cutile import KERNELS
 from .backward import chunk_backward, layer_backward
-from .core.serving_validation import check_conv_args, check_conv_update_args, check_state_update_args
+from .core.serving_validation import (check_conv_args, check_conv_update_args, check_rms_norm_args,
+                                     check_state_update_args)
 from .core.validation import ScanCombinedArgs
 from .cutile.end_state import end_state, end_state_grads
 from .cutile.forward import run_stages
@@ -22,6 +23,7 @@ from .cutile.launch import recording_launches
 from .cutile.scan_combined import run_layer
 from .cutile.serving.causal_conv1d import run_conv
 from .cutile.serving.causal_conv1d_update import run_conv_update
+from .cutile.serving.rms_norm import run_rms_norm
 from .cutile.serving.selective_state_update import run_state_update
 from .cutile.tuning import CHAINED_SEGMENTS, chained_config, choose_config
 
@@ -219,10 +221,24 @@ def compile_conv_update_kernels(target="sm_90", *, batch=4, slots=6, dim=320, to
     return _export(launches, target)
 
 
+def compile_rms_norm_kernels(target="sm_90", *, rows=3, width=5120, dtype=torch.bfloat16, gated=True,
+                             group_size=None, weight_dtype=None):
+    """Compiles the rms_norm kernel of one call (by default a Mamba-2 mixer's gated norm)."""
+    x = torch.empty(rows, width, dtype=dtype)
+    args = check_rms_norm_args(x, torch.empty(width, dtype=weight_dtype or dtype),
+                               torch.empty(rows, width, dtype=dtype) if gated else None, 1e-5, group_size,
+                               backend="pytorch")
+    with recording_launches() as launches:
+        run_rms_norm(args)
+    return _export(launches, target)
+
+
 def compile_serving_kernels(target="sm_90"):
     """The serving ops' kernels as a Mamba-2 model calls them: selective_state_update and
     causal_conv1d_update of a decode step (HF's expanded per-head dt, A, D, dt_bias; continuous
     batching indices), causal_conv1d_fn of a prefill (channel-last, silu) and with packed
-    sequences. -> [(kernel name, cubin size in bytes, seconds)]."""
+    sequences, the mixer's gated RMSNorm and the block's RMSNorm.
+    -> [(kernel name, cubin size in bytes, seconds)]."""
     return (compile_state_update_kernels(target) + compile_conv_update_kernels(target)
-            + compile_conv_kernels(target) + compile_conv_kernels(target, with_seq_idx=True))
+            + compile_conv_kernels(target) + compile_conv_kernels(target, with_seq_idx=True)
+            + compile_rms_norm_kernels(target) + compile_rms_norm_kernels(target, width=2560, gated=False))

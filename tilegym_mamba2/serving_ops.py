@@ -2,7 +2,7 @@
 
 A decode step compiled with ``torch.compile(..., fullgraph=True)`` (mode "reduce-overhead"
 captures it in a CUDA graph) must not break its graph at selective_state_update,
-causal_conv1d_update or causal_conv1d_fn: their host code (argument checks, launch plans,
+causal_conv1d_update, causal_conv1d_fn or rms_norm: their host code (argument checks, launch plans,
 cuTile's launch) is not traceable. While torch.compile traces, the public functions call these
 ops instead; each declares the buffers it writes in place (``mutates_args``), so the compiled
 graph orders the state updates correctly and a captured graph replays them, and each has a
@@ -83,6 +83,22 @@ def _conv_out(x):
 @_causal_conv1d_fn.register_fake
 def _(x, weight, bias, seq_idx, initial_states, final_states, activation, backend):
     return _conv_out(x)
+
+
+@torch.library.custom_op("tilegym_mamba2::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, group_size: int | None,
+              backend: str) -> Tensor:
+    op = "rms_norm"
+    return implementation(op, _backend(op, backend, x))(x, weight, gate, eps, group_size)
+
+
+@_rms_norm.register_fake
+def _(x, weight, gate, eps, group_size, backend):
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+def rms_norm(x, weight, gate, eps, group_size, backend):
+    return _rms_norm(x, weight, gate, float(eps), group_size, backend)
 
 
 def causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation,

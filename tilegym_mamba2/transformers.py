@@ -40,6 +40,7 @@ import torch
 import tilegym_mamba2
 
 from .decode_graphs import disable_decode_graphs, enable_decode_graphs
+from .norm_patch import patch_norm_classes, patch_norm_modules, revert_norm_classes, revert_norm_modules
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def apply_tilegym_kernel_to_mamba2(
     model: torch.nn.Module | None = None,
     use_cutile: bool = False,
     cuda_graphs: bool = False,
+    rms_norm: bool = True,
 ) -> None:
     """Run transformers' Mamba-2 mixers (prefill and decode) on tilegym_mamba2's functions.
 
@@ -143,6 +145,8 @@ def apply_tilegym_kernel_to_mamba2(
         cuda_graphs: with ``model`` (a Mamba2ForCausalLM on CUDA), also decode through CUDA graphs:
             every decode step of ``generate()`` replays a graph of the whole step, captured once
             per batch-size bucket (tilegym_mamba2.decode_graphs; prefill stays eager).
+        rms_norm: also run Mamba2's RMSNorm and gated RMSNorm modules on ``tilegym_mamba2.rms_norm``
+            (one kernel each, the same values; norm_patch.py). The hybrids keep their own norms.
 
     Calling it again replaces the earlier patch (flags included); it never stacks.
     ``revert_tilegym_kernel_to_mamba2`` undoes it.
@@ -163,6 +167,9 @@ def apply_tilegym_kernel_to_mamba2(
                 logger.warning("tilegym_mamba2: not patching %s: %s", cls.__qualname__, problem)
                 continue
             cls.forward = _patched_forward(cls, structure, conv1d, ssm, backend)
+        revert_norm_classes()
+        if rms_norm:
+            patch_norm_classes(backend)
         return
 
     known = {cls: (structure, problem) for cls, structure, problem in _mixer_classes(import_missing=False)}
@@ -182,6 +189,9 @@ def apply_tilegym_kernel_to_mamba2(
     if patched == 0:
         names = ", ".join(name for _, name in MIXERS)
         raise ValueError(f"model: {type(model).__name__} has no Mamba-2 mixer that tilegym_mamba2 patches ({names})")
+    revert_norm_modules(model)
+    if rms_norm:
+        patch_norm_modules(model, backend)
     if cuda_graphs:
         enable_decode_graphs(model)
     else:  # a call again replaces the patch, flags included
@@ -196,8 +206,10 @@ def revert_tilegym_kernel_to_mamba2(model: torch.nn.Module | None = None) -> Non
             forward = cls.__dict__.get("forward")
             if hasattr(forward, _ORIGINAL):
                 cls.forward = getattr(forward, _ORIGINAL)
+        revert_norm_classes()
         return
     disable_decode_graphs(model)
+    revert_norm_modules(model)
     for module in model.modules():
         forward = module.__dict__.get("forward")
         if hasattr(getattr(forward, "__func__", None), _ORIGINAL):
@@ -355,7 +367,7 @@ def _kernel_scope(source, structure, flags: dict, backend, training=False) -> di
     differentiable pieces (the scans are; the convolution torch's, the decode pieces the pytorch
     backend's)."""
     module_globals = inspect.unwrap(source).__globals__
-    scope = dict(module_globals)
+    scope = _module_namespace(module_globals, structure, flags, backend, training)
     differentiable = ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined")
     for name, ours in structure.names.items():
         if training and ours == "mamba_split_conv1d_scan_combined" and structure.fused_call_may_decline:
@@ -367,6 +379,20 @@ def _kernel_scope(source, structure, flags: dict, backend, training=False) -> di
         else:
             scope[name] = _as_found(name, ours, module_globals)
     return scope
+
+
+def _module_namespace(module_globals, structure, flags, backend, training) -> dict:
+    """A copy of a modeling module's globals, as the namespace of a module of its own in
+    sys.modules: torch.compile names a function's globals by their ``__name__`` when it guards
+    them, so they must not claim to be the modeling module's (whose kernel names are not ours)."""
+    name = (f"tilegym_mamba2.patched.{module_globals['__name__']}."
+            f"{'_'.join(k for k, on in sorted(flags.items()) if on) or 'none'}_{backend or 'auto'}"
+            f"{'_training' if training else ''}")
+    module = types.ModuleType(name)
+    module.__dict__.update({k: v for k, v in module_globals.items() if k not in ("__name__", "__spec__",
+                                                                                  "__loader__")})
+    sys.modules[name] = module
+    return module.__dict__
 
 
 def _with_globals(fn, scope: dict):

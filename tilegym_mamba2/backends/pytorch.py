@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from ..autograd import differentiable_chunk_forward, differentiable_scan_combined, wanted
 from ..backward import Kernels, chunk_backward, input_grad, scan_combined_backward
 from ..core.packing import scan_returns
-from ..core.serving_validation import check_conv_args, check_conv_update_args, check_state_update_args
+from ..core.serving_validation import (check_conv_args, check_conv_update_args, check_rms_norm_args,
+                                       check_state_update_args)
 from ..core.tensors import compute_dtype
 from ..core.validation import NO_LIMIT, check_backward_args, check_forward_args, check_scan_combined_args
 from ..reference.layer import process_dt
 from ..reference.scan import chunk_grads_reference, scan_reference
-from ..reference.serving import (causal_conv1d_reference, causal_conv1d_update_reference,
+from ..reference.serving import (causal_conv1d_reference, causal_conv1d_update_reference, rms_norm_reference,
                                  selective_state_update_reference)
 from ..reference.ssd import chunked_forward_reference
 
@@ -128,3 +129,9 @@ def causal_conv1d_update_pytorch(x, conv_state, weight, bias=None, activation=No
     """causal_conv1d's causal_conv1d_update: ``conv_state`` updated in place."""
     return causal_conv1d_update_reference(check_conv_update_args(
         x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices, backend="pytorch"))
+
+
+def rms_norm_pytorch(x, weight, gate=None, eps=1e-6, group_size=None):
+    """Hugging Face's Mamba-2 (gated) RMSNorm (reference/serving.py says how)."""
+    return rms_norm_reference(check_rms_norm_args(x, weight, gate, eps, group_size, backend="pytorch"))
+

@@ -7,8 +7,16 @@ mamba_ssm and causal_conv1d), patched with apply_tilegym_kernel_to_mamba2 (eager
 with the decode graphs (tilegym_mamba2.decode_graphs). Per token: the difference of two
 generate() calls (new + 1 and 1 new tokens) over ``new``, median of three; the graph's GPU time
 of one step: its replay alone, timed with CUDA events. Prefill: one forward of the prompt.
+
+Beside them, where mamba_ssm is importable: its own Mamba-2 language model of the same shape
+(MambaLMHeadModel, random, bf16) generating with ``cg=True`` (its whole decode step in a CUDA
+graph), the anchor for graph decoding. Without the causal_conv1d extension its convolution runs
+in torch (both prefill and the decode step's roll); the rows say so.
 """
+import importlib.util
+import sys
 import time
+import types
 
 import torch
 
@@ -94,9 +102,61 @@ def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16):
         row("patched, graphs", "capture + run, all batches", None, (time.perf_counter() - started) * 1e3)
     finally:
         disable_decode_graphs(model)
-    del model
-    torch.cuda.empty_cache()
+    _mamba_ssm_rows(case, row, prompts, prefill_ids, device, dtype)
     return rows
+
+
+def _mamba_ssm_rows(case, row, prompts, prefill_ids, device, dtype):
+    path = "mamba_ssm cg=True"
+    try:
+        model, note = _mamba_ssm_model(case, device, dtype)
+    except Exception as e:  # not installed, or its imports fail here
+        row(path, "decode, per token", None, None, f"not run: {type(e).__name__}: {str(e)[:160]}")
+        return
+    from mamba_ssm.utils.generation import InferenceParams
+    for batch in case.decode_batches:
+        ids = prompts[batch]
+
+        def generate(new, ids=ids):
+            with torch.inference_mode():
+                return model.generate(ids, max_length=ids.shape[1] + new, cg=True, top_k=1)
+        try:
+            generate(case.decode_tokens + 1)  # captures its graph for the longest length first
+            one = wall_ms(lambda: generate(1), 3, device)
+            many = wall_ms(lambda: generate(case.decode_tokens + 1), 3, device)
+            row(path, "decode, per token", batch, max(many - one, 1e-6) / case.decode_tokens, note)
+        except Exception as e:
+            row(path, "decode, per token", batch, None, f"failed: {type(e).__name__}: {str(e)[:160]}")
+        torch.cuda.empty_cache()
+
+    def prefill():
+        params = InferenceParams(max_seqlen=prefill_ids.shape[1] + 1, max_batch_size=1)
+        with torch.inference_mode():
+            return model(prefill_ids, inference_params=params, num_last_tokens=1).logits
+    try:
+        row(path, f"prefill {case.prefill_tokens} tokens", None, wall_ms(prefill, 3, device), note)
+    except Exception as e:
+        row(path, f"prefill {case.prefill_tokens} tokens", None, None, f"failed: {type(e).__name__}: {str(e)[:160]}")
+
+
+def _mamba_ssm_model(case, device, dtype):
+    """mamba_ssm's MambaLMHeadModel with the case's shape, and a note on what it runs."""
+    notes = []
+    if importlib.util.find_spec("selective_scan_cuda") is None:
+        # Imported by mamba_ssm's package for Mamba-1 only; a Mamba-2 model never calls it.
+        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    from mamba_ssm.modules import mamba2
+    if mamba2.causal_conv1d_update is None:
+        notes.append("no causal_conv1d: its conv runs in torch")
+    config = MambaConfig(d_model=case.hidden, n_layer=case.layers, vocab_size=case.vocab, pad_vocab_size_multiple=8,
+                         ssm_cfg={"layer": "Mamba2", "d_state": case.state_size, "headdim": case.head_dim,
+                                  "ngroups": case.groups, "expand": case.expand, "chunk_size": case.chunk_size},
+                         rms_norm=True, residual_in_fp32=True, fused_add_norm=True)
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(config, device=device, dtype=dtype).eval()
+    return model, "; ".join(notes)
 
 
 def _replay_ms(graph, reps=50):

@@ -228,6 +228,51 @@ def conv_update_args(x, conv_state, weight, bias, activation, cache_seqlens, con
                           cache_seqlens, conv_state_indices, squeeze)
 
 
+class RmsNormArgs(NamedTuple):
+    """rms_norm's arguments as rows of one group each (views where the caller's strides allow)."""
+    x: torch.Tensor                 # [rows, group_size], stride 1 along the row
+    gate: torch.Tensor | None       # like x
+    weight: torch.Tensor            # [groups, group_size]
+    eps: float
+    out_dtype: torch.dtype          # torch's promotion of weight's and x's dtypes
+    shape: tuple                    # x's shape, the output's
+
+
+def check_rms_norm_args(x, weight, gate=None, eps=1e-6, group_size=None, *, backend: str) -> RmsNormArgs:
+    """Hugging Face's Mamba-2 RMSNorm (gate None) and gated RMSNorm: x [..., width], weight
+    [width], gate like x, eps > 0, group_size dividing width (None: the whole width)."""
+    dtypes = CUTILE_DTYPES if backend == "cutile" else PYTORCH_DTYPES
+    for name, t in (("x", x), ("weight", weight), ("gate", gate)):
+        if t is not None or name != "gate":
+            _expect_tensor(name, t)
+            _expect_dtype(name, t, dtypes, backend)
+    if x.ndim < 1 or x.numel() == 0:
+        raise ValueError(f"x must be [..., width] with at least one element, got shape {tuple(x.shape)}")
+    width = x.shape[-1]
+    _expect_shape("weight", weight, (width,), "[width] (x's last dimension)")
+    if gate is not None:
+        _expect_shape("gate", gate, tuple(x.shape), "x's shape")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                   or group_size < 1 or width % group_size):
+        raise ValueError(f"group_size must be a positive divisor of x's width {width} (or None), got {group_size!r}")
+    _check_devices({"x": x, "weight": weight, "gate": gate}, backend)
+    return rms_norm_args(x, weight, gate, eps, group_size)
+
+
+def rms_norm_args(x, weight, gate, eps, group_size) -> RmsNormArgs:
+    """check_rms_norm_args' result without its checks (cutile/plan.py)."""
+    size = x.shape[-1] if group_size is None else group_size
+    return RmsNormArgs(_rows(x, size), None if gate is None else _rows(gate, size), weight.reshape(-1, size),
+                       float(eps), torch.promote_types(weight.dtype, x.dtype), tuple(x.shape))
+
+
+def _rows(t, size):
+    rows = t.reshape(-1, size)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
 # ---------------------------------------------------------------- helpers
 
 def _lift(t, rank_without_heads, axis):

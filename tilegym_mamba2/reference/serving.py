@@ -10,6 +10,8 @@ arguments (backends/pytorch.py checks them with core/serving_validation.py).
   ``causal_conv1d_fn``: out[t] = bias + sum_w weight[w] x[t - (width-1) + w], then silu if asked.
 * ``causal_conv1d_update_reference``: the same convolution one (or a few) tokens at a time against a
   rolling (or, with cache_seqlens, circular) conv_state, causal_conv1d's ``causal_conv1d_update``.
+* ``rms_norm_reference``: Hugging Face's Mamba-2 RMSNorm and gated RMSNorm, per group of the last
+  dimension: h = x * silu(gate); h = h / sqrt(mean(h^2) + eps); out = weight * h rounded to x's dtype.
 
 Continuous batching: with ``state_batch_indices`` / ``conv_state_indices``, batch row i uses state
 row ``indices[i]``; a negative index marks a padding row: its output is zeros and no state is
@@ -160,3 +162,17 @@ def _write_rows(state, slots, valid, new):
     target = torch.where(valid, slots, first_slot)
     value = torch.where(valid.view(row_shape), new, kept)
     state.index_copy_(0, target, value)
+
+
+def rms_norm_reference(args):
+    """(Gated) RMSNorm on checked arguments (core/serving_validation.RmsNormArgs): the rounding to
+    x's dtype before the weight, as Hugging Face's modules do, so bf16 results match theirs."""
+    dtype = compute_dtype(args.x, args.weight)
+    h = args.x.to(dtype)
+    if args.gate is not None:
+        h = h * F.silu(args.gate.to(dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + args.eps)
+    groups = args.weight.shape[0]
+    h = h.to(args.x.dtype).to(dtype).reshape(-1, groups, h.shape[-1])
+    return (args.weight.to(dtype) * h).to(args.out_dtype).reshape(args.shape)
+

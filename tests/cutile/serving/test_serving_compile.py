@@ -13,7 +13,7 @@ if _TOOLCHAIN.tileiras is None:
                 + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
 
 from tilegym_mamba2.aot import (compile_conv_kernels, compile_conv_update_kernels,  # noqa: E402
-                                       compile_state_update_kernels)
+                                compile_rms_norm_kernels, compile_state_update_kernels)
 from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
 
 
@@ -86,6 +86,19 @@ CONV_UPDATE_VARIANTS = {
 @pytest.mark.parametrize("variant", list(CONV_UPDATE_VARIANTS))
 def test_conv_update_kernel_compiles_sm90(variant):
     check_one(compile_conv_update_kernels("sm_90", **CONV_UPDATE_VARIANTS[variant]), "causal_conv1d_update_kernel")
+
+
+RMS_NORM_VARIANTS = {
+    "mixer_gated_norm": dict(),                                             # bf16, 5120 wide: two column tiles
+    "block_norm": dict(width=2560, gated=False),
+    "fp32_weight_fp16_groups": dict(width=1000, group_size=250, dtype=torch.float16, weight_dtype=torch.float32),
+    "fp32_narrow_rows": dict(width=96, rows=7, gated=False, dtype=torch.float32),  # several rows a block
+}
+
+
+@pytest.mark.parametrize("variant", list(RMS_NORM_VARIANTS))
+def test_rms_norm_kernel_compiles_sm90(variant):
+    check_one(compile_rms_norm_kernels("sm_90", **RMS_NORM_VARIANTS[variant]), "rms_norm_kernel")
 
 
 def test_state_update_recognises_expanded_per_head_values():

@@ -1,0 +1,122 @@
+"""Mamba2's norm modules on tilegym_mamba2.rms_norm (norm_patch.py), on CPU: the pytorch
+backend computes what HF's modules compute, bit for bit; a patched model calls it for every
+norm outside autograd and keeps the modules' own forward where autograd records; the flag,
+a second call and the revert leave no patch behind."""
+import pytest
+import torch
+
+import tilegym_mamba2
+
+transformers = pytest.importorskip("transformers")
+modeling = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+
+from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2, revert_tilegym_kernel_to_mamba2  # noqa: E402
+
+from test_transformers import greedy, logits, prompt, tiny_mamba2  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def unpatched_classes():
+    revert_tilegym_kernel_to_mamba2()
+    yield
+    revert_tilegym_kernel_to_mamba2()
+
+
+@pytest.fixture
+def norm_calls(monkeypatch):
+    seen = []
+    real = tilegym_mamba2.rms_norm
+
+    def spy(x, weight, gate=None, eps=1e-6, group_size=None, backend=None):
+        seen.append(gate is not None)
+        return real(x, weight, gate, eps, group_size, backend=backend)
+
+    monkeypatch.setattr(tilegym_mamba2, "rms_norm", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_pytorch_backend_equals_hugging_faces_norms(dtype, weight_dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 96, generator=g) * 3).to(dtype)
+    gate = torch.randn(3, 5, 130, generator=g).to(dtype)[..., 17:113]      # a strided slice, as the mixer's
+    gated, plain = modeling.MambaRMSNormGated(96, eps=1e-5), modeling.Mamba2RMSNorm(96, eps=1e-5)
+    for norm in (gated, plain):
+        norm.weight.data = torch.randn(96, generator=g).to(weight_dtype)
+    with torch.no_grad():
+        assert torch.equal(tilegym_mamba2.rms_norm(x, gated.weight, gate, 1e-5), gated(x, gate))
+        assert torch.equal(tilegym_mamba2.rms_norm(x, plain.weight, None, 1e-5), plain(x))
+
+
+def test_groups_normalise_each_group_on_its_own():
+    g = torch.Generator().manual_seed(1)
+    x, gate, weight = torch.randn(4, 12, generator=g), torch.randn(4, 12, generator=g), torch.randn(12, generator=g)
+    got = tilegym_mamba2.rms_norm(x, weight, gate, 1e-6, group_size=4)
+    for k in range(3):
+        part = slice(4 * k, 4 * k + 4)
+        want = tilegym_mamba2.rms_norm(x[:, part], weight[part], gate[:, part], 1e-6)
+        torch.testing.assert_close(got[:, part], want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, tilegym_mamba2.rms_norm(x, weight, gate, 1e-6))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: tilegym_mamba2.rms_norm(x, w[:5]), "weight must be"),
+    (lambda x, w: tilegym_mamba2.rms_norm(x, w, x[:, :4]), "gate must be"),
+    (lambda x, w: tilegym_mamba2.rms_norm(x, w, eps=0.0), "eps must be"),
+    (lambda x, w: tilegym_mamba2.rms_norm(x, w, group_size=5), "group_size must be"),
+    (lambda x, w: tilegym_mamba2.rms_norm(x.long(), w), "x must be one of"),
+    (lambda x, w: tilegym_mamba2.rms_norm(x, w, backend="cutile"), "CUDA"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(torch.randn(3, 8), torch.randn(8))
+
+
+def test_a_patched_model_runs_every_norm_on_rms_norm_and_gives_the_same_tokens(norm_calls):
+    ref = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=ref, rms_norm=False)     # the mixers alike: only the norms differ
+    ids = prompt()
+    want_logits, want_tokens = logits(ref, ids), greedy(ref, ids)
+    assert norm_calls == []
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    got = logits(model, ids)
+    layers = model.config.num_hidden_layers
+    assert norm_calls.count(True) == layers and norm_calls.count(False) == layers + 1   # mixers; blocks + final
+    assert torch.equal(got, want_logits)
+    assert torch.equal(greedy(model, ids), want_tokens)
+
+
+def test_the_flag_a_second_call_and_the_revert_leave_the_norms_their_own(norm_calls):
+    model = tiny_mamba2()
+    ids = prompt()
+    apply_tilegym_kernel_to_mamba2(model=model, rms_norm=False)
+    logits(model, ids)
+    assert norm_calls == []
+    apply_tilegym_kernel_to_mamba2(model=model)
+    apply_tilegym_kernel_to_mamba2(model=model)                     # replaces, never stacks
+    logits(model, ids)
+    assert len(norm_calls) == 2 * model.config.num_hidden_layers + 1
+    norm_calls.clear()
+    revert_tilegym_kernel_to_mamba2(model=model)
+    logits(model, ids)
+    assert norm_calls == []
+
+
+def test_class_patch_reaches_models_built_afterwards_and_reverts(norm_calls):
+    apply_tilegym_kernel_to_mamba2()
+    logits(tiny_mamba2(), prompt())
+    assert norm_calls
+    norm_calls.clear()
+    revert_tilegym_kernel_to_mamba2()
+    logits(tiny_mamba2(), prompt())
+    assert norm_calls == []
+
+
+def test_autograd_keeps_the_modules_own_forward(norm_calls):
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    model(prompt()).logits.sum().backward()
+    assert norm_calls == []
+    assert model.backbone.norm_f.weight.grad is not None

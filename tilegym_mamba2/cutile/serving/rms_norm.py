@@ -1,0 +1,94 @@
+"""The RMSNorm of a Mamba-2 block and the gated RMSNorm of its mixer, one kernel each call.
+
+Per row of group_size values (the last dimension, or groups of it):
+    h = x * silu(gate)              (gate optional)
+    h = h / sqrt(mean(h^2) + eps)   (in fp32)
+    out = weight * round(h, x's dtype)
+The rounding before the weight is Hugging Face's (its norms return ``weight * h.to(x.dtype)``),
+kept so that a patched model's activations equal its own; out's dtype is torch's promotion of
+weight's and x's. In torch that is ten kernels over fp32 copies of the row (four in the decode
+step's profile, 1.1-2.4 us each, times 64 layers); here it is one.
+
+Each block normalises ``rows_tile`` rows, walking them in width_tile columns twice: once for
+the sum of squares, once to scale and store (the second read hits L2: a row is a few KB), so
+registers stay bounded at any width.
+"""
+import cuda.tile as ct
+
+from ...core.serving_validation import check_rms_norm_args, rms_norm_args
+from .. import plan
+from ..launch import launch, new_output
+
+WIDTH_TILE_MAX = 4096
+
+
+@ct.kernel
+def rms_norm_kernel(x, gate, weight, out, eps: ct.Constant[float], rows_tile: ct.Constant[int],
+                    width_tile: ct.Constant[int], width_tiles: ct.Constant[int], gated: ct.Constant[bool],
+                    grouped: ct.Constant[bool]):
+    block = ct.bid(0)
+    width, groups = x.shape[1], weight.shape[0]
+    squares = ct.zeros((rows_tile, 1), dtype=ct.float32)
+    for j in range(width_tiles):
+        h = _gated(x, gate, block, j, rows_tile, width_tile, gated)
+        squares = squares + ct.sum(h * h, axis=1, keepdims=True)
+    scale = ct.rsqrt(squares / width + eps)
+    # Rows are (row, group) pairs, the group fastest (the host's reshape): a block's rows may
+    # take different groups' weights, gathered; with one group the weight row is one tile.
+    group = (block * rows_tile + ct.arange(rows_tile, dtype=ct.int32)).reshape((rows_tile, 1)) % groups
+    for j in range(width_tiles):
+        h = _gated(x, gate, block, j, rows_tile, width_tile, gated)
+        if grouped:
+            column = (j * width_tile + ct.arange(width_tile, dtype=ct.int32)).reshape((1, width_tile))
+            w = ct.gather(weight, (group, column), padding_value=0).astype(ct.float32)
+        else:
+            w = ct.load(weight, (0, j), (1, width_tile), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+        rounded = (h * scale).astype(x.dtype).astype(ct.float32)
+        ct.store(out, (block, j), (w * rounded).astype(out.dtype))
+
+
+@ct.function
+def _gated(x, gate, block, j, rows_tile, width_tile, gated):
+    h = ct.load(x, (block, j), (rows_tile, width_tile), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+    if gated:
+        g = ct.load(gate, (block, j), (rows_tile, width_tile), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+        h = h * (g / (1.0 + ct.exp(-g)))
+    return h
+
+
+def rms_norm(x, weight, gate=None, eps=1e-6, group_size=None):
+    """Hugging Face's Mamba-2 (gated) RMSNorm on CUDA tensors; see ``tilegym_mamba2.rms_norm``.
+    A repeated call (same shapes, strides, dtypes, eps, group_size) skips the checks."""
+    key = plan.signature("rms_norm", x, weight, gate, eps, group_size, strides=True)
+    planned = plan.planned(key)
+    if planned is None:
+        args = check_rms_norm_args(x, weight, gate, eps, group_size, backend="cutile")
+    else:
+        args = rms_norm_args(x, weight, gate, eps, group_size)
+    settled = planned or launch_plan(args)
+    out = run_rms_norm(args, settled)
+    if planned is None:
+        plan.remember(key, settled)
+    return out
+
+
+def launch_plan(args):
+    """Checked arguments -> (grid, the kernel's constants)."""
+    rows, width = args.x.shape
+    width_tile = min(_pow2(width), WIDTH_TILE_MAX)
+    # Several rows per block when rows are short, so a block moves at least a few KB.
+    rows_tile = max(1, min(16, 4096 // width_tile, _pow2(rows)))
+    return (-(-rows // rows_tile), 1, 1), (float(args.eps), rows_tile, width_tile, -(-width // width_tile),
+                                           args.gate is not None, args.weight.shape[0] > 1)
+
+
+def run_rms_norm(args, settled=None):
+    """Checked arguments -> out in the caller's shape; the one launch."""
+    grid, constants = settled or launch_plan(args)
+    out = new_output(*args.x.shape, dtype=args.out_dtype, device=args.x.device)
+    launch(grid, rms_norm_kernel, (args.x, args.x if args.gate is None else args.gate, args.weight, out, *constants))
+    return out.reshape(args.shape)
+
+
+def _pow2(n):
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,104 @@
+"""Hugging Face's Mamba-2 norms on ``tilegym_mamba2.rms_norm``: one kernel where torch runs ten.
+
+A Mamba2ForCausalLM block normalises its input (Mamba2RMSNorm) and its mixer gates and
+normalises the scan's output (MambaRMSNormGated). In torch each is ~10 kernels over fp32 copies
+of the row; in a graph-replayed decode step of the 2.7B shape they were 17 of the 29 kernels of
+a layer. ``rms_norm`` computes what those forwards compute, the rounding to the input's dtype
+before the weight included, so a patched model's activations stay HF's own (bit for bit on the
+pytorch backend).
+
+The norms are patched the way transformers.py patches the mixers: on the classes (model None)
+or on one model's modules. A call that autograd would record keeps the module's own forward
+(``rms_norm`` has no backward).
+"""
+import functools
+import importlib
+import sys
+import types
+
+import torch
+
+import tilegym_mamba2
+
+# (model type, class, whether its forward takes a gate)
+NORMS = (
+    ("mamba2", "MambaRMSNormGated", True),
+    ("mamba2", "Mamba2RMSNorm", False),
+)
+_ORIGINAL = "_tilegym_mamba2_original_norm"
+
+
+def norm_classes(import_missing: bool):
+    """(class, gated) of each NORMS class whose modeling module is imported (or importable)."""
+    for model_type, class_name, gated in NORMS:
+        name = f"transformers.models.{model_type}.modeling_{model_type}"
+        module = sys.modules.get(name)
+        if module is None and import_missing:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+        cls = getattr(module, class_name, None) if module is not None else None
+        if cls is not None:
+            yield cls, gated
+
+
+def patch_norm_classes(backend) -> None:
+    for cls, gated in norm_classes(import_missing=True):
+        cls.forward = patched_norm_forward(cls, gated, backend)
+
+
+def revert_norm_classes() -> None:
+    for cls, _ in norm_classes(import_missing=False):
+        forward = cls.__dict__.get("forward")
+        if hasattr(forward, _ORIGINAL):
+            cls.forward = getattr(forward, _ORIGINAL)
+
+
+def patch_norm_modules(model, backend) -> int:
+    """Points every known norm module of ``model`` at rms_norm; -> how many."""
+    known = dict(norm_classes(import_missing=False))
+    forwards, patched = {}, 0
+    for module in model.modules():
+        cls = type(module)
+        if cls in known:
+            if cls not in forwards:
+                forwards[cls] = patched_norm_forward(cls, known[cls], backend)
+            module.forward = types.MethodType(forwards[cls], module)
+            patched += 1
+    return patched
+
+
+def revert_norm_modules(model) -> None:
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if hasattr(getattr(forward, "__func__", None), _ORIGINAL):
+            del module.forward
+
+
+def patched_norm_forward(cls, gated: bool, backend):
+    original = cls.forward
+    original = getattr(original, _ORIGINAL, original)
+
+    if gated:
+        @functools.wraps(original)
+        def forward(self, hidden_states, gate=None):
+            if _records_grad(self, hidden_states, gate):
+                return original(self, hidden_states, gate)
+            return tilegym_mamba2.rms_norm(hidden_states, self.weight, gate, self.variance_epsilon, backend=backend)
+    else:
+        @functools.wraps(original)
+        def forward(self, hidden_states):
+            if _records_grad(self, hidden_states, None):
+                return original(self, hidden_states)
+            return tilegym_mamba2.rms_norm(hidden_states, self.weight, None, self.variance_epsilon, backend=backend)
+
+    setattr(forward, _ORIGINAL, original)
+    return forward
+
+
+def _records_grad(norm, hidden_states, gate) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return (norm.weight.requires_grad or hidden_states.requires_grad
+            or (gate is not None and gate.requires_grad))
