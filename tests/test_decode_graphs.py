@@ -74,7 +74,7 @@ def _compiled_decode_steps(model, steps, **compile_kw):
             cache, token, got = out.cache_params, out.logits[:, -1:].argmax(-1), []
             for i in range(steps):
                 position = torch.tensor([ids.shape[1] + i], device=ids.device)
-                got.append(step(token, cache, position))
+                got.append(step(token, cache, position).clone())  # a graph's output is overwritten next step
                 token = got[-1][:, -1:].argmax(-1)
         return got
 

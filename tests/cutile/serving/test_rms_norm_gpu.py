@@ -20,6 +20,8 @@ CASES = {
     "odd_width_groups": dict(shape=(3, 5, 1000), gated=True, group_size=250),
     "narrow_rows": dict(shape=(37, 96), gated=False),
     "wide_row": dict(shape=(2, 3, 12288), gated=True, group_size=3072),
+    "prefill_block": dict(shape=(1, 2048, 2560), gated=False),             # four rows a block
+    "many_grouped_rows": dict(shape=(600, 96), gated=True, group_size=32),  # a block's rows span groups
 }
 
 
@@ -47,10 +49,12 @@ def test_rms_norm_matches_the_float64_reference(case, dtype, weight_dtype):
     ref = tilegym_mamba2.rms_norm(x.double(), weight.double(), None if gate is None else gate.double(), 1e-5,
                                   group_size, backend="pytorch")
     assert out.shape == x.shape and out.dtype == torch.promote_types(weight_dtype, dtype)
-    assert rel_err(out, ref) < TOLERANCE[out.dtype], f"seed={seed}"
+    # The value is rounded to x's dtype before the weight, so x's dtype bounds the error.
+    tolerance = max(TOLERANCE[out.dtype], TOLERANCE[dtype])
+    assert rel_err(out, ref) < tolerance, f"seed={seed}"
     # The pytorch backend on the same (rounded) inputs: its fp32 arithmetic and rounding points.
     same = tilegym_mamba2.rms_norm(x, weight, gate, 1e-5, group_size, backend="pytorch")
-    assert rel_err(out, same) < TOLERANCE[out.dtype] / 4, f"seed={seed}"
+    assert rel_err(out, same) < tolerance / 4, f"seed={seed}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
