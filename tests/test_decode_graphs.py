@@ -135,6 +135,27 @@ def test_static_cache_step_gives_the_eager_greedy_tokens(batch):
     assert list(runner.steps) == [1 if batch == 1 else 4]           # the decode steps went the static way
 
 
+def test_static_cache_step_stops_rows_at_eos_as_the_eager_path_does():
+    model = tiny_mamba2()
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids, mask = _left_padded(3, "cpu")
+
+    def generate(**kw):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, **kw)
+
+    eos = int(generate()[0, ids.shape[1] + 2])                      # row 0's third new token
+    want = generate(eos_token_id=eos)
+    assert (want[0, ids.shape[1] + 3:] == 0).all()                  # row 0 stopped there, padded after
+    runner = DecodeGraphs(model, (4,), use_graphs=False)
+    model.forward = runner
+    try:
+        got = generate(eos_token_id=eos)
+    finally:
+        del model.forward
+    assert torch.equal(got, want) and list(runner.steps) == [4]
+
+
 def test_a_second_generation_gives_the_first_its_cache_back():
     model = tiny_mamba2()
     apply_tilegym_kernel_to_mamba2(model=model)

@@ -12,14 +12,8 @@ modeling = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
 
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2, revert_tilegym_kernel_to_mamba2  # noqa: E402
 
-from test_transformers import greedy, logits, prompt, tiny_mamba2  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def unpatched_classes():
-    revert_tilegym_kernel_to_mamba2()
-    yield
-    revert_tilegym_kernel_to_mamba2()
+# unpatched_classes: autouse, every test starts and ends with the classes as shipped.
+from test_transformers import greedy, logits, prompt, tiny_mamba2, unpatched_classes  # noqa: E402, F401
 
 
 @pytest.fixture

@@ -28,17 +28,24 @@ NORMS = (
 _ORIGINAL = "_tilegym_mamba2_original_norm"
 
 
+def modeling_module(model_type: str, import_missing: bool, required: bool = False):
+    """transformers' modeling module of ``model_type`` when it is imported (or, with
+    ``import_missing``, importable), else None; ``required``: its ImportError propagates."""
+    name = f"transformers.models.{model_type}.modeling_{model_type}"
+    module = sys.modules.get(name)
+    if module is None and import_missing:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            if required:
+                raise
+    return module
+
+
 def norm_classes(import_missing: bool):
     """(class, gated) of each NORMS class whose modeling module is imported (or importable)."""
     for model_type, class_name, gated in NORMS:
-        name = f"transformers.models.{model_type}.modeling_{model_type}"
-        module = sys.modules.get(name)
-        if module is None and import_missing:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
-        cls = getattr(module, class_name, None) if module is not None else None
+        cls = getattr(modeling_module(model_type, import_missing), class_name, None)
         if cls is not None:
             yield cls, gated
 

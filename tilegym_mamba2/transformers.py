@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 import sys
@@ -40,7 +39,8 @@ import torch
 import tilegym_mamba2
 
 from .decode_graphs import disable_decode_graphs, enable_decode_graphs
-from .norm_patch import patch_norm_classes, patch_norm_modules, revert_norm_classes, revert_norm_modules
+from .norm_patch import (modeling_module, patch_norm_classes, patch_norm_modules, revert_norm_classes,
+                         revert_norm_modules)
 
 logger = logging.getLogger(__name__)
 
@@ -221,19 +221,11 @@ def _mixer_classes(import_missing: bool):
     (import_missing) or already imported: structure None and problem the reason when the class
     is shaped as neither structure. Classes a structure leaves out are skipped."""
     for model_type, class_name in MIXERS:
-        name = f"transformers.models.{model_type}.modeling_{model_type}"
-        module = sys.modules.get(name)
-        if module is None and import_missing:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                if model_type == "mamba2":
-                    raise
-                continue
-        cls = getattr(module, class_name, None) if module is not None else None
+        module = modeling_module(model_type, import_missing, required=model_type == "mamba2")
+        cls = getattr(module, class_name, None)
         if cls is None:
             if module is not None and model_type == "mamba2":
-                raise RuntimeError(_version_message(f"{name} has no {class_name}"))
+                raise RuntimeError(_version_message(f"{module.__name__} has no {class_name}"))
             continue
         structure, problem = _structure_of(cls)
         if structure is not None and class_name in structure.left_out:
