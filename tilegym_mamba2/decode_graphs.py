@@ -21,7 +21,9 @@ per batch-size bucket and replayed: the host then costs one input copy and one r
   step's activations, from one memory pool that every bucket shares.
 
 Not graphed (the eager path runs): training, autograd recording, inputs_embeds, more than one new
-token, batch above the largest bucket, output_hidden_states, labels, non-CUDA models.
+token, batch above the largest bucket, output_hidden_states, labels, non-CUDA models. Hybrids are
+refused: their attention layers' KV caches grow by concatenation every step, and a graph replays
+fixed shapes and addresses.
 """
 import inspect
 import sys
@@ -38,7 +40,8 @@ def enable_decode_graphs(model, buckets=BUCKETS):
     bucket (a batch runs in the smallest bucket that holds it). ``model.generate`` keeps its
     interface. Calling it again replaces the buckets; ``disable_decode_graphs`` frees the graphs."""
     if type(model).__name__ != "Mamba2ForCausalLM":
-        raise ValueError(f"decode graphs take a transformers Mamba2ForCausalLM, got {type(model).__name__}")
+        raise ValueError(f"decode graphs take a transformers Mamba2ForCausalLM, got {type(model).__name__} "
+                         "(a hybrid's attention layers grow their KV cache every step, which a graph cannot replay)")
     if next(model.parameters()).device.type != "cuda":
         raise ValueError("decode graphs need the model on a CUDA device (model.cuda())")
     disable_decode_graphs(model)
