@@ -12,6 +12,19 @@ import time
 import torch
 
 
+def _positive_int(flag):
+    """An argparse type: a whole number >= 1, or an error naming ``flag``."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number >= 1, got {text!r}")
+        return value
+    return parse
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tilegym_mamba2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,7 +57,7 @@ def main(argv=None):
     bench.add_argument("--context-parallel", action="store_true",
                        help="instead: one long sequence split over ranks (run under torchrun, one process per "
                             "GPU; without it, two processes sharing one GPU, or the CPU)")
-    bench.add_argument("--tokens", type=int, default=None,
+    bench.add_argument("--tokens", type=_positive_int("--tokens"), default=None,
                        help="--context-parallel: the sequence length (default 2^20 under torchrun, 2^16 on one GPU)")
     bench.add_argument("--stages", action="store_true",
                        help="instead: time each stage of our op alone, next to the whole call")
@@ -227,7 +240,11 @@ def bench_cmd(args) -> int:
     from .bench import forward as bench
     if args.context_parallel:  # runs on the CPU too (a small shape, and says so)
         from .bench.context_parallel import run_context_parallel_bench
-        run_context_parallel_bench(tokens=args.tokens, out_json=args.json)
+        try:
+            run_context_parallel_bench(tokens=args.tokens, out_json=args.json)
+        except (ValueError, RuntimeError) as e:
+            print(e, file=sys.stderr)
+            return 2 if isinstance(e, ValueError) else 1
         return 0
     if not torch.cuda.is_available():
         print("bench needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)

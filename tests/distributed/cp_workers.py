@@ -12,41 +12,82 @@ import torch.distributed as dist
 F64 = torch.float64
 
 
-def run_ranks(world, target, *args, timeout=240):
-    """Runs target(rank, world, *args) in ``world`` spawned processes over gloo -> their return
-    values in rank order. A rank that does not finish within ``timeout`` s fails the test (a hang)."""
+CASE_TIMEOUT_S = 60      # a case that takes longer on some rank is a hang
+STARTUP_TIMEOUT_S = 240  # starting a rank (torch and the package imported) on a busy 2-core machine
+
+
+def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
+    """Runs ``cases(rank, world, *args)`` -- a dict {case name: callable()} -- in ``world``
+    spawned processes over gloo, the cases one after another in every rank -> per rank, {case:
+    what its callable returned}. Every case runs under a hard timeout: when some rank has not
+    finished a case ``case_timeout`` s after the last rank started it, every rank is killed and
+    an AssertionError names the case and the ranks still in it. ``env``: variables set in the ranks."""
+    import queue
     import tempfile
+    import time
 
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    messages, release = ctx.Queue(), ctx.Event()
     rendezvous = os.path.join(tempfile.mkdtemp(prefix="cp-rdv-"), "file")
-    procs = [ctx.Process(target=_rank_main, args=(rank, world, rendezvous, results, target, args))
+    procs = [ctx.Process(target=_rank_main, args=(rank, world, rendezvous, messages, release, env or {}, cases, args))
              for rank in range(world)]
     for p in procs:
         p.start()
-    out = {}
+    done, results, started = {r: set() for r in range(world)}, {r: {} for r in range(world)}, {}
+    current = {r: "(starting)" for r in range(world)}   # what each rank is doing now
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
-        for _ in range(world):
-            rank, value = results.get(timeout=timeout)
-            out[rank] = value
+        while any(current[r] is not None for r in range(world)):
+            try:
+                rank, kind, case, value = messages.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                stuck = sorted(r for r in range(world) if current[r] is not None)
+                waiting = {r: current[r] for r in stuck}
+                raise AssertionError(f"hang: {world} ranks, ranks {stuck} still waiting ({waiting}) "
+                                     f"after the case's {case_timeout} s") from None
+            if kind == "start":
+                current[rank] = case
+                started.setdefault(case, set()).add(rank)
+                if len(started[case]) == world:   # the case's clock starts when every rank is in it
+                    deadline = time.monotonic() + case_timeout
+            elif kind == "done":
+                results[rank][case] = value
+                done[rank].add(case)
+                current[rank] = None if case == _END else "(between cases)"
+                if all(case in done[r] for r in range(world)) and case != _END:
+                    deadline = time.monotonic() + case_timeout
+            elif kind == "crash":
+                raise AssertionError(f"rank {rank} crashed outside any case:\n{value}")
     finally:
+        release.set()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [out[r] for r in range(world)]
+    return [{k: v for k, v in results[r].items() if k != _END} for r in range(world)]
 
 
-def _rank_main(rank, world, rendezvous, results, target, args):
+_END = "(end)"
+
+
+def _rank_main(rank, world, rendezvous, messages, release, env, cases, args):
+    os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
-        value = target(rank, world, *args)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+        for name, call in cases(rank, world, *args).items():
+            messages.put((rank, "start", name, None))
+            messages.put((rank, "done", name, _guarded(call)))
+        messages.put((rank, "done", _END, None))
     except Exception:
-        value = {"crash": traceback.format_exc()}
-    results.put((rank, value))
-    dist.destroy_process_group()
+        messages.put((rank, "crash", None, traceback.format_exc()))
+    # A group left waiting (a rank timed out in a collective) may not shut down: the parent
+    # collects the results, then every rank leaves at once.
+    release.wait(STARTUP_TIMEOUT_S)
+    messages.close()
+    messages.join_thread()
+    os._exit(0)
 
 
 # --- cases ---------------------------------------------------------------------------------
@@ -166,22 +207,35 @@ def _diff(got, want):
             (diff.norm() / want.double().norm().clamp_min(1e-30)).item())
 
 
-def mixer_case(rank, world, name, tokens, seq_rows, backend="pytorch", dtype=F64, device="cpu"):
-    """The whole mixer (and its convolution's halo) against mamba_split_conv1d_scan_combined."""
-    import tilegym_mamba2
-    from tilegym_mamba2.distributed import context_parallel_split_conv1d_scan_combined
-    g = torch.Generator().manual_seed(7)
-    batch, nheads, headdim, dstate, ngroups, width, d_nonssm, out_dim = 2, 4, 8, 8, 2, 4, 3, 12
+MIXER = dict(nheads=4, headdim=8, dstate=8, ngroups=2, width=4, d_nonssm=3, out_dim=12)
+
+
+def mixer_inputs(g, batch, tokens, nheads, headdim, dstate, ngroups, width, d_nonssm, out_dim):
+    """A small mixer's float64 inputs (zxbcdt and every weight) from the generator ``g``."""
     dim = nheads * headdim
     channels = 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads
 
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, dtype=F64) * scale
-    t = dict(zxbcdt=randn(batch, tokens, channels), conv1d_weight=randn(dim + 2 * ngroups * dstate, width, scale=0.5),
-             conv1d_bias=randn(dim + 2 * ngroups * dstate), dt_bias=randn(nheads),
-             A=-torch.rand(nheads, generator=g, dtype=F64) - 0.3, D=randn(nheads),
-             initial_states=randn(batch, nheads, headdim, dstate), rmsnorm_weight=randn(dim),
-             outproj_weight=randn(out_dim, dim + d_nonssm, scale=0.2), outproj_bias=randn(out_dim))
+    return dict(zxbcdt=randn(batch, tokens, channels),
+                conv1d_weight=randn(dim + 2 * ngroups * dstate, width, scale=0.5),
+                conv1d_bias=randn(dim + 2 * ngroups * dstate), dt_bias=randn(nheads),
+                A=-torch.rand(nheads, generator=g, dtype=F64) - 0.3, D=randn(nheads),
+                initial_states=randn(batch, nheads, headdim, dstate), rmsnorm_weight=randn(dim),
+                outproj_weight=randn(out_dim, dim + d_nonssm, scale=0.2), outproj_bias=randn(out_dim))
+
+
+def mixer_case(rank, world, name, tokens, seq_rows, backend="pytorch", dtype=F64, device="cpu"):
+    """The whole mixer (and its convolution's halo) against mamba_split_conv1d_scan_combined."""
+    import tilegym_mamba2
+    from tilegym_mamba2.distributed import context_parallel_split_conv1d_scan_combined
+    g = torch.Generator().manual_seed(7)
+    batch, nheads, headdim, dstate, ngroups, out_dim = 2, *(MIXER[k] for k in ("nheads", "headdim", "dstate",
+                                                                                "ngroups", "out_dim"))
+    t = mixer_inputs(g, batch, tokens, **MIXER)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
     weight_out = randn(batch, tokens, out_dim)
     weight_final = randn(batch, nheads, headdim, dstate)
     seq_idx = None if seq_rows is None else torch.tensor(seq_rows, dtype=torch.int32, device=device)
@@ -214,13 +268,12 @@ def mixer_cases(world):
 
 
 def all_cases(rank, world):
-    """Every scan and mixer case on this rank -> {case: differences or a traceback}."""
-    results = {}
-    for name, (tokens, seq_rows, cu, options) in scan_cases(world).items():
-        results[f"scan-{name}"] = _guarded(scan_case, rank, world, name, tokens, seq_rows, cu, options)
-    for name, (tokens, seq_rows) in mixer_cases(world).items():
-        results[f"mixer-{name}"] = _guarded(mixer_case, rank, world, name, tokens, seq_rows)
-    return results
+    """Every scan and mixer case on this rank: {case: callable() -> differences}."""
+    cases = {f"scan-{name}": functools.partial(scan_case, rank, world, name, tokens, seq_rows, cu, options)
+             for name, (tokens, seq_rows, cu, options) in scan_cases(world).items()}
+    cases.update({f"mixer-{name}": functools.partial(mixer_case, rank, world, name, tokens, seq_rows)
+                  for name, (tokens, seq_rows) in mixer_cases(world).items()})
+    return cases
 
 
 def _guarded(fn, *args, **kwargs):
@@ -267,6 +320,11 @@ def bad_calls(rank, world):
         x = torch.randn(1, 6, 10, dtype=F64)
         return context_parallel_causal_conv1d(x, torch.randn(6, 4 if rank == 0 else 3, dtype=F64))
 
+    def A_values_differ():
+        t = _scan_inputs_of(rank)
+        t["A"] = t["A"] * (1.0 + rank)
+        return scan(**t)
+
     def mixer_weight_wrong():
         zxbcdt = torch.randn(1, 10, 2 * 8 + 2 * 4 + 2, dtype=F64)
         weight = torch.randn(8 + 2 * 4 if rank == 0 else 5, 4, dtype=F64)
@@ -275,23 +333,22 @@ def bad_calls(rank, world):
                                                            headdim=4, backend="pytorch")
 
     return {f.__name__: f for f in (heads_differ, option_differs, one_rank_invalid, cu_seqlens_short,
-                                    seq_idx_unsorted, conv_width_differs, mixer_weight_wrong)}
+                                    seq_idx_unsorted, conv_width_differs, mixer_weight_wrong, A_values_differ)}
 
 
 def bad_cases(rank, world):
-    """Each bad call -> (exception type, message) on this rank, and whether a good call after it
-    still works (no rank was left inside a collective)."""
-    import tilegym_mamba2.distributed as cp
-    results = {}
-    for name, call in bad_calls(rank, world).items():
+    """Each bad call -> callable() -> ((exception type, message) on this rank or None, whether a
+    good call after it still works: no rank was left inside a collective)."""
+    def attempt(call):
+        import tilegym_mamba2.distributed as cp
         try:
             call()
             raised = None
         except Exception as e:
             raised = (type(e).__name__, str(e))
         good = cp.context_parallel_scan_combined(**_scan_inputs_of(rank), chunk_size=16, backend="pytorch")
-        results[name] = (raised, bool(torch.isfinite(good).all()))
-    return results
+        return raised, bool(torch.isfinite(good).all())
+    return {name: functools.partial(attempt, call) for name, call in bad_calls(rank, world).items()}
 
 
 def gpu_cases(rank, world):
@@ -301,6 +358,6 @@ def gpu_cases(rank, world):
     tokens = 1000
     rows = [[0] * 300 + [1] * 400 + [2] * 300, [0] * 1000]
     cases = {"one_sequence": (None, options), "packed": (rows, options)}
-    return {name: _guarded(scan_case, rank, world, "even", tokens, seq_rows, None, opts, backend="cutile",
-                           dtype=torch.bfloat16, device="cuda", chunk_size=64, sizes=sizes)
+    return {name: functools.partial(scan_case, rank, world, "even", tokens, seq_rows, None, opts, backend="cutile",
+                                    dtype=torch.bfloat16, device="cuda", chunk_size=64, sizes=sizes)
             for name, (seq_rows, opts) in cases.items()}

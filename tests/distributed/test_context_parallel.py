@@ -21,7 +21,6 @@ def results(world):
 @pytest.mark.parametrize("world,case", CASES)
 def test_context_parallel_equals_the_single_process_op(world, case):
     for rank, per_case in enumerate(results(world)):
-        assert "crash" not in per_case, per_case["crash"]
         diffs = per_case[case]
         assert "crash" not in diffs, f"rank {rank}:\n{diffs['crash']}"
         for quantity, (err, scale, finite, _) in diffs.items():

@@ -16,12 +16,13 @@ EXPECTED = {  # call -> (exception type, words every rank's message contains)
     "seq_idx_unsorted": ("ValueError", ["seq_idx must be sorted along the global sequence"]),
     "conv_width_differs": ("ValueError", ["weight's shape"]),
     "mixer_weight_wrong": ("ValueError", ["conv1d_weight"]),
+    "A_values_differ": ("ValueError", ["A's values (checksum) must be the same on every rank"]),
 }
 
 
 @functools.cache
 def outcomes(world):
-    return run_ranks(world, bad_cases, timeout=120)
+    return run_ranks(world, bad_cases)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -29,7 +30,7 @@ def outcomes(world):
 def test_every_rank_raises_naming_the_argument(world, call):
     kind, words = EXPECTED[call]
     for rank, per_call in enumerate(outcomes(world)):
-        assert "crash" not in per_call, per_call["crash"]
+        assert "crash" not in per_call[call], per_call[call]["crash"]
         raised, still_works = per_call[call]
         assert raised is not None, f"rank {rank} did not raise"
         assert raised[0] == kind, (rank, raised)

@@ -79,32 +79,69 @@ def measure_rank(tokens, device, dtype, backend, shape, warmup, rep, single=True
 
 
 def _forward_and_training_ms(op, tensors, kwargs, device, warmup, rep):
-    """(forward ms without autograd, forward + backward ms) of op(**tensors, **kwargs)."""
+    """(forward ms without autograd, forward + backward ms with the loss on out alone) of
+    op(**tensors, **kwargs)."""
     leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
 
     def forward():
         with torch.no_grad():
             op(**tensors, **kwargs)
 
-    def train():
-        out, final = op(**leaves, **kwargs)
-        (out.float().sum() + final.sum()).backward()
+    def train():  # a training loss on the outputs alone, as most are
+        out = op(**leaves, **{**kwargs, "return_final_states": False})
+        out.float().sum().backward()
     return timed(forward, device, warmup, rep), timed(train, device, warmup, rep)
 
 
 def _spawned(rank, world, rendezvous, tokens, on_gpu, shape, warmup, rep, results):
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    row = measure_rank(tokens, device, torch.bfloat16 if on_gpu else torch.float32, "cutile" if on_gpu else "pytorch",
-                       shape, warmup, rep)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+        device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+        row = measure_rank(tokens, device, torch.bfloat16 if on_gpu else torch.float32,
+                           "cutile" if on_gpu else "pytorch", shape, warmup, rep)
+    except Exception as e:  # the parent stops the other rank and says why
+        row = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
     results.put(row)
-    dist.destroy_process_group()
+    if "error" not in row:
+        dist.destroy_process_group()
+
+
+def check_tokens(tokens, ranks):
+    """ValueError naming --tokens unless every rank gets at least one token."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < ranks):
+        raise ValueError(f"--tokens must be a whole number of at least {ranks} (one token per rank), got {tokens!r}")
+
+
+def _collect(procs, results, log):
+    """Every rank's row, rank 0's first; stops every rank as soon as one fails or dies."""
+    import queue
+    rows = []
+    try:
+        while len(rows) < len(procs):
+            try:
+                row = results.get(timeout=5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
+                if dead:
+                    raise RuntimeError(f"bench --context-parallel: rank {dead[0]} died (exit code "
+                                       f"{procs[dead[0]].exitcode}) before reporting") from None
+                continue
+            if "error" in row:
+                raise RuntimeError(f"bench --context-parallel: rank {row['rank']} failed: {row['error']}")
+            rows.append(row)
+    finally:
+        for p in procs:
+            p.join(timeout=30 if rows and len(rows) == len(procs) else 1)
+            if p.is_alive():
+                p.kill()
+    return sorted(rows, key=lambda r: r["rank"])
 
 
 def run_context_parallel_bench(tokens=None, warmup=3, rep=10, out_json="bench_context_parallel.json", log=print):
     """The benchmark in whichever form this machine allows; returns the rows (rank 0's first)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _under_torchrun(tokens or 2 ** 20, warmup, rep, out_json, log)
+    check_tokens(tokens, 2)
     on_gpu = torch.cuda.is_available()
     shape = LAYER_2_7B if on_gpu else dict(heads=8, head_size=32, state=32, groups=1, chunk_size=64)
     tokens = tokens or (2 ** 16 if on_gpu else 2 ** 12)
@@ -121,13 +158,11 @@ def run_context_parallel_bench(tokens=None, warmup=3, rep=10, out_json="bench_co
              for r in range(2)]
     for p in procs:
         p.start()
-    rows = sorted((results.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
-    return _report(rows, shape, out_json, log)
+    return _report(_collect(procs, results, log), shape, out_json, log)
 
 
 def _under_torchrun(tokens, warmup, rep, out_json, log):
+    check_tokens(tokens, int(os.environ["WORLD_SIZE"]))
     local = int(os.environ.get("LOCAL_RANK", 0))
     on_gpu = torch.cuda.is_available()
     if on_gpu:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .lockstep import FORWARD, in_step, next_call
+
 
 def group_or_world(group):
     if not dist.is_available() or not dist.is_initialized():
@@ -47,7 +49,8 @@ class Layout:
     lengths[r]: tokens of rank r's slice.  first_ids[r][b], last_ids[r][b]: the sequence ids of
     row b's first and last token on rank r (0 without packing).  last_run[r][b]: tokens of
     row b's last sequence on rank r.  tail_ids[r][b]: the ids of the last tokens of rank r's
-    row b (up to the convolution's width - 1), for the halo."""
+    row b (up to the convolution's width - 1), for the halo.  op, call: the operation and the
+    call's number on its group (lockstep.py's headers)."""
     rank: int
     size: int
     lengths: tuple
@@ -55,6 +58,8 @@ class Layout:
     last_ids: tuple
     last_run: tuple
     tail_ids: tuple
+    op: str = ""
+    call: int = 0
 
     @property
     def offset(self) -> int:
@@ -75,6 +80,23 @@ class Layout:
         return [a == b for a, b in zip(self.first_ids[r], self.last_ids[r])]
 
 
+def fingerprints(**tensors) -> dict:
+    """{"<name>'s values (checksum)": floats}: two weighted sums and the NaN count of each tensor
+    given (None skipped), in one device-to-host copy, so that replicated inputs whose values
+    differ between ranks are caught in the agreement step (equal tensors give equal sums)."""
+    given = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if not given:
+        return {}
+    sums = []
+    for t in given.values():
+        flat = t.detach().reshape(-1).double()
+        finite = torch.nan_to_num(flat, nan=0.0, posinf=1.0e300, neginf=-1.0e300)
+        weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(7).add_(1)
+        sums.append(torch.stack([finite.sum(), (finite * weights).sum(), flat.isnan().sum().double()]))
+    values = torch.stack(sums).tolist()
+    return {f"{k}'s values (checksum)": tuple(v) for k, v in zip(given, values)}
+
+
 def edge_ids(seq_idx, batch: int, tokens: int, tail: int):
     """(first ids, last ids, last-run lengths, tail ids) of this rank's rows, on the host: one
     small device-to-host copy of the slice's edges (nothing when there is no seq_idx)."""
@@ -93,6 +115,8 @@ def agree(op: str, group, check, signature, tokens, edges) -> Layout:
     ``signature``: a dict {argument description: value} of what must be equal on every rank
     (a callable, evaluated only when the check passed); ``edges``: a callable giving edge_ids'
     tuple for this rank."""
+    call = next_call(group)
+    in_step(op, group, FORWARD, call)   # before anything else: a rank still in a backward shows up here
     error, facts = None, None
     try:
         check()
@@ -117,7 +141,8 @@ def agree(op: str, group, check, signature, tokens, edges) -> Layout:
                 raise ValueError(f"{op}: {name} must be the same on every rank of the group: rank 0 has "
                                  f"{base[name]!r}, rank {r} has {value!r}")
     edges_of = [h["facts"]["edges"] for h in headers]
-    layout = Layout(rank, size, tuple(h["tokens"] for h in headers), *(tuple(e[i] for e in edges_of) for i in range(4)))
+    layout = Layout(rank, size, tuple(h["tokens"] for h in headers), *(tuple(e[i] for e in edges_of) for i in range(4)),
+                    op=op, call=call)
     for r in range(1, size):
         for row, (a, b) in enumerate(zip(layout.last_ids[r - 1], layout.first_ids[r])):
             if b < a:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from ..backends.split_conv1d_scan import causal_conv1d_differentiable
 from ..core.serving_validation import check_conv_args
-from .agreement import agree, all_gather, check_group_device, edge_ids, group_or_world
+from .agreement import agree, all_gather, check_group_device, edge_ids, fingerprints, group_or_world
+from .lockstep import HALO_BACKWARD, in_step
 
 OP = "context_parallel_causal_conv1d"
 
@@ -49,6 +50,7 @@ class Halo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_halo):
         layout, k = ctx.layout, ctx.k
+        in_step(layout.op, ctx.group, HALO_BACKWARD, layout.call)
         gathered = all_gather(d_halo, ctx.group)
         d_tail = d_halo.new_zeros(*d_halo.shape[:-1], k)
         for r in range(layout.rank + 1, layout.size):
@@ -75,7 +77,7 @@ def context_parallel_causal_conv1d(x, weight, bias=None, seq_idx=None, activatio
     def signature():
         return {"x's [batch, dim]": tuple(x.shape[:2]), "x's dtype": str(x.dtype), "weight's shape": tuple(weight.shape),
                 "bias (given or not)": bias is not None, "seq_idx (given or not)": seq_idx is not None,
-                "activation": activation}
+                "activation": activation, **fingerprints(weight=weight, bias=bias)}
 
     tokens = x.shape[-1] if isinstance(x, torch.Tensor) and x.ndim == 3 else 0
     layout = agree(OP, group, check, signature, tokens, lambda: edge_ids(seq_idx, x.shape[0], tokens, width - 1))

@@ -9,7 +9,7 @@ from ..backends.split_conv1d_scan import check_mixer_args, split_conv1d_scan
 from ..core.registry import backend_for
 from ..core.serving_validation import check_conv_args
 from ..core.validation import check_scan_combined_args
-from .agreement import agree, check_group_device, edge_ids, group_or_world
+from .agreement import agree, check_group_device, edge_ids, fingerprints, group_or_world
 from .conv import conv_slice
 from .scan import scan_slice
 
@@ -57,7 +57,10 @@ def context_parallel_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bi
                 "return_final_states": return_final_states, "activation": activation,
                 "rmsnorm_weight's shape": shape(rmsnorm_weight), "rmsnorm_eps": rmsnorm_eps,
                 "outproj_weight's shape": shape(outproj_weight), "outproj_bias's shape": shape(outproj_bias),
-                "headdim": headdim, "ngroups": ngroups, "norm_before_gate": norm_before_gate, "backend": backend}
+                "headdim": headdim, "ngroups": ngroups, "norm_before_gate": norm_before_gate, "backend": backend,
+                **fingerprints(conv1d_weight=conv1d_weight, conv1d_bias=conv1d_bias, dt_bias=dt_bias, A=A, D=D,
+                               initial_states=initial_states, rmsnorm_weight=rmsnorm_weight,
+                               outproj_weight=outproj_weight, outproj_bias=outproj_bias)}
 
     layout = agree(OP, group, check, signature, tokens, lambda: edge_ids(seq_idx, zxbcdt.shape[0], tokens, width - 1))
 

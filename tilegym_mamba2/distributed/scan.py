@@ -17,7 +17,7 @@ from .. import autograd
 from ..core.registry import backend_for
 from ..core.validation import check_scan_combined_args
 from ..reference.layer import process_dt
-from .agreement import agree, check_group_device, edge_ids, group_or_world
+from .agreement import agree, check_group_device, edge_ids, fingerprints, group_or_world
 from .state_chain import StateChain, slice_end_state
 
 OP = "context_parallel_scan_combined"
@@ -64,7 +64,6 @@ def scan_signature(x, B, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_
             "dt_limit": tuple(float(v) for v in dt_limit), "return_final_states": return_final_states,
             "backend": backend}
 
-
 def agree_scan(group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                dt_softplus, dt_limit, return_final_states):
     """Checks this rank's slice, then agree(); raises on every rank if any rank is wrong."""
@@ -79,8 +78,9 @@ def agree_scan(group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initia
             _check_global_offsets(cu_seqlens, x, initial_states)
 
     layout = agree(OP, group, check,
-                   lambda: scan_signature(x, B, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                                          dt_softplus, dt_limit, return_final_states, backend),
+                   lambda: {**scan_signature(x, B, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                             dt_softplus, dt_limit, return_final_states, backend),
+                            **fingerprints(A=A, D=D, dt_bias=dt_bias, initial_states=initial_states)},
                    x.shape[1] if isinstance(x, torch.Tensor) and x.ndim == 4 else 0,
                    lambda: edge_ids(seq_idx, x.shape[0], x.shape[1], 0))
     if cu_seqlens is not None:
@@ -123,30 +123,34 @@ def _with_offsets(layout, offsets):
 
 
 def _local_sequences(layout, cu_seqlens, initial_states, device):
-    """With global offsets: (local cu_seqlens, the local sequences' own initial states (zeros for
-    one that goes on from the previous rank) or None, does the first go on from the previous rank)."""
+    """With global offsets: (local cu_seqlens, the local sequences' own initial states [local
+    sequences, ...] or None, does the first go on from the previous rank). A sequence that does
+    not start on this rank (or has no initial state of its own) gets zeros, selected from
+    initial_states so that every rank's initial_states gets a gradient (zeros where it has no share)."""
     offsets = cu_seqlens.tolist()
     lo, hi = layout.offset, layout.offset + layout.lengths[layout.rank]
     seqs = [i for i in range(len(offsets) - 1) if offsets[i] < hi and offsets[i + 1] > lo]
     local = [0] + [min(offsets[i + 1], hi) - lo for i in seqs]
-    init = None
+    own = None
     if initial_states is not None:
         per_sequence = initial_states.shape[0] == len(offsets) - 1
-        rows = []
-        for i in seqs:
-            source = i if per_sequence else (0 if i == 0 else None)
-            starts_here = offsets[i] >= lo
-            rows.append(initial_states[source] if source is not None and starts_here
-                        else initial_states.new_zeros(initial_states.shape[1:]))
-        init = torch.stack(rows)
-    return torch.tensor(local, dtype=cu_seqlens.dtype, device=device), init, offsets[seqs[0]] < lo
+        source = [i if per_sequence else 0 for i in seqs]
+        starts_here = [offsets[i] >= lo and (per_sequence or i == 0) for i in seqs]
+        picked = initial_states[torch.tensor(source, device=initial_states.device)]
+        own = torch.where(torch.tensor(starts_here, device=initial_states.device)[:, None, None, None], picked, 0.0)
+    return torch.tensor(local, dtype=cu_seqlens.dtype, device=device), own, offsets[seqs[0]] < lo
 
 
 def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                cu_seqlens, dt_softplus, dt_limit, return_final_states):
     """This rank's part of the call, after agree_scan: its last sequence's end state from zero
     (state_chain.slice_end_state), the chain's all-gather, then the single-GPU op on the slice
-    with the entering state as its first sequence's initial state."""
+    with the entering state as its first sequence's initial state.
+
+    The op's initial state is always a select between the chain's entering state and the rank's
+    own initial state, on every rank (rank 0 included, whose chain link is never taken): out then
+    depends on the chain on every rank, so a loss on out alone runs the chain's backward, with its
+    collectives, on every rank (lockstep.py)."""
     rank, tokens = layout.rank, x.shape[1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     dt_used = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=dtype)
@@ -158,26 +162,30 @@ def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias
         last_init = None if own_init is None else own_init[-1:]   # zeros for a sequence that goes on
     else:
         local_cu, own_init = None, None
-        starts_with_id_0 = torch.tensor([f == 0 and t for f, t in zip(layout.first_ids[0], layout.through(0))],
-                                        device=x.device)
-        last_init = (None if rank != 0 or initial_states is None
-                     else torch.where(starts_with_id_0[:, None, None, None], initial_states, 0.0))
+        # Rank 0's rows whose slice is one sequence from the global start end with initial_states
+        # carried through; selected on every rank (zeros elsewhere) so that every rank's
+        # initial_states gets a gradient, even from a loss on the final states alone.
+        carried = torch.tensor([rank == 0 and f == 0 and t for f, t in zip(layout.first_ids[0], layout.through(0))],
+                               device=x.device)
+        last_init = None if initial_states is None \
+            else torch.where(carried[:, None, None, None], initial_states, 0.0)
     end_state = slice_end_state(backend, x, B, dt_used, log_decay, last_start, last_init)
     entering, final_states = StateChain.apply(end_state, log_decay.sum(1), layout, group)
 
-    if rank == 0:
-        init, local_seq_idx = own_init if cu_seqlens is not None else initial_states, seq_idx
-    elif cu_seqlens is not None:
-        init, local_seq_idx = own_init, None
-        if goes_on:  # the first local sequence enters with the chain's state
-            rest = own_init[1:] if own_init is not None else entering.new_zeros(local_cu.numel() - 2,
-                                                                                 *entering.shape[1:])
-            init = torch.cat([entering, rest.to(entering.dtype)])
+    link = torch.tensor(layout.link(rank), device=x.device)[:, None, None, None]
+    if cu_seqlens is not None:
+        local_seq_idx = None
+        own = entering.new_zeros(local_cu.numel() - 1, *entering.shape[1:]) if own_init is None \
+            else own_init.to(entering.dtype)
+        init = torch.cat([torch.where(link, entering, own[:1]), own[1:]])
     else:
-        # The op starts each row's sequence with id 0 from initial_states: renumber so that the
-        # first sequence on this rank is id 0 (rows whose first sequence starts here enter with 0).
-        init = entering
-        local_seq_idx = None if seq_idx is None else seq_idx - seq_idx[:, :1]
+        # rank 0's rows start the global sequence with initial_states; on the other ranks, the op
+        # starts each row's sequence with id 0 from its initial state: renumber so that the first
+        # sequence on this rank is id 0 (rows whose first sequence starts here enter with zeros).
+        own = entering.new_zeros(()) if initial_states is None \
+            else torch.where(torch.tensor(rank == 0, device=x.device), initial_states.to(entering.dtype), 0.0)
+        init = torch.where(link, entering, own)
+        local_seq_idx = seq_idx if rank == 0 or seq_idx is None else seq_idx - seq_idx[:, :1]
     y = autograd.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, init, local_seq_idx, local_cu,
                                   dt_softplus, dt_limit, False, False)
     return (y, final_states) if return_final_states else y

@@ -15,6 +15,7 @@ import torch
 from ..cutile.end_state import end_state, end_state_grads
 from ..reference.end_state import decay_after, end_state_reference, only_the_run, run_mask
 from .agreement import all_gather
+from .lockstep import CHAIN_BACKWARD, in_step
 
 
 def _row_masks(layout, device):
@@ -43,12 +44,16 @@ class StateChain(torch.autograd.Function):
             previous = torch.where(carried[r], ends[r] + decays[r] * previous, ends[r])
         ctx.save_for_backward(decays, entering)
         ctx.layout, ctx.group = layout, group
+        ctx.set_materialize_grads(False)
         return entering, previous
 
     @staticmethod
     def backward(ctx, d_entering, d_final):
         decays, entering = ctx.saved_tensors
         layout = ctx.layout
+        in_step(layout.op, ctx.group, CHAIN_BACKWARD, layout.call)
+        d_entering = torch.zeros_like(entering) if d_entering is None else d_entering
+        d_final = torch.zeros_like(entering) if d_final is None else d_final
         gathered = all_gather(torch.stack([d_entering, d_final]), ctx.group)   # [ranks, 2, ...]
         link, carried = _row_masks(layout, d_final.device)
         d_end = gathered[:, 1].sum(0)  # every rank may have used the final state
