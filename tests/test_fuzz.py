@@ -1,7 +1,10 @@
 """`python -m tilegym_mamba2 fuzz`: on the CPU (pytorch backend) it passes, and it finds what it
-is for: a wrong result, a crash instead of a clear error, a state written before an error."""
+is for: a wrong result, a crash instead of a clear error, a state written before an error. The
+tests run a fixed number of cases from a fixed master seed: the same cases however busy the
+machine is."""
 import re
 
+import pytest
 import torch
 
 import tilegym_mamba2
@@ -10,7 +13,7 @@ from tilegym_mamba2 import fuzz as fuzzing
 
 def test_a_few_seconds_of_every_kind_pass():
     lines = []
-    assert fuzzing.fuzz(seconds=3, log=lines.append) == 0
+    assert fuzzing.fuzz(cases=60, log=lines.append) == 0
     counts = dict(re.findall(r"(layer|serving|malformed) (\d+)", lines[-1]))
     assert set(counts) == {"layer", "serving", "malformed"} and min(map(int, counts.values())) > 0, lines[-1]
 
@@ -23,7 +26,7 @@ def test_a_wrong_result_is_found_and_its_seed_replays_it(monkeypatch):
         return (out[0] * 1.05, *out[1:]) if isinstance(out, tuple) else out * 1.05
     monkeypatch.setattr(tilegym_mamba2, "mamba_chunk_scan_combined", off_by_a_percent)
     lines = []
-    assert fuzzing.fuzz(seconds=2, seed=None, log=lines.append) > 0
+    assert fuzzing.fuzz(cases=20, log=lines.append) > 0
     seed = int(re.search(r"FAIL layer --seed (\d+)", "\n".join(lines)).group(1))
     assert fuzzing.fuzz(seed=seed, log=lambda _: None) == 1
 
@@ -37,10 +40,28 @@ def test_a_crash_or_a_write_before_an_error_is_found(monkeypatch):
         return real(state, *args, **kwargs)
     monkeypatch.setattr(tilegym_mamba2, "selective_state_update", writes_then_checks)
     lines = []
-    fuzzing.fuzz(seconds=2, log=lines.append)
+    fuzzing.fuzz(cases=60, log=lines.append)
     assert any("malformed" in line and "before raising" in line for line in lines), lines[-3:]
 
 
 def test_the_command_line_runs_it():
     from tilegym_mamba2.__main__ import main
-    assert main(["fuzz", "--seconds", "1"]) == 0
+    assert main(["fuzz", "--cases", "10"]) == 0
+    assert main(["fuzz", "--seconds", "0.5"]) == 0
+
+
+def test_the_same_cases_on_every_run():
+    first, second = [], []
+    fuzzing.fuzz(cases=15, start=3, log=first.append)
+    fuzzing.fuzz(cases=15, start=3, log=second.append)
+    assert first[-1] == second[-1] and "15 cases" in first[-1]
+
+
+@pytest.mark.parametrize("flag,value", [("--seconds", "-5"), ("--seconds", "0"), ("--seconds", "nan"),
+                                        ("--seconds", "inf"), ("--cases", "0"), ("--cases", "x")])
+def test_bad_flags_are_refused_naming_the_flag(flag, value, capsys):
+    from tilegym_mamba2.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["fuzz", flag, value])
+    assert exit_.value.code == 2
+    assert f"{flag} must be" in capsys.readouterr().err

@@ -3,12 +3,12 @@ causal_conv1d's causal_conv1d_fn / causal_conv1d_update (each skipped when its p
 imported, and without CUDA, tests/conftest.py). Same arguments, same results: the functions are
 drop-ins for what HF's Mamba2Mixer and serving engines call."""
 import inspect
-import os
 
 import pytest
 import torch
 
 import tilegym_mamba2
+from gpu_checks import fresh_seed, rel_err
 
 try:
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update as mamba_ssm_update
@@ -27,14 +27,8 @@ needs_mamba_ssm = pytest.mark.skipif(mamba_ssm_update is None, reason=f"mamba_ss
 needs_causal_conv1d = pytest.mark.skipif(peer_conv is None, reason=f"causal_conv1d cannot be imported ({_CONV_ERROR})")
 
 
-def rel_err(got, ref):
-    got, ref = got.double(), ref.double()
-    assert not torch.isnan(got).any()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def generator():
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     return seed, torch.Generator(device="cuda").manual_seed(seed)
 
 

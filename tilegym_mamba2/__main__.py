@@ -25,6 +25,17 @@ def _positive_int(flag):
     return parse
 
 
+def _positive_seconds(text):
+    """An argparse type for --seconds: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--seconds must be a finite number > 0, got {text!r}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tilegym_mamba2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,7 +77,10 @@ def main(argv=None):
                       help="B,T,G,H,N,P each (default: the benchmark's shapes)")
     sub.add_parser("registry", help="the ops this plugin adds to tilegym")
     fz = sub.add_parser("fuzz", help="random cases against the float64 definitions, and malformed calls")
-    fz.add_argument("--seconds", type=float, default=60.0, help="how long to run (default 60)")
+    fz.add_argument("--seconds", type=_positive_seconds, default=60.0, help="how long to run (default 60)")
+    fz.add_argument("--cases", type=_positive_int("--cases"), default=None,
+                    help="run this many cases from --start instead (the same cases on every machine)")
+    fz.add_argument("--start", type=int, default=0, help="the master seed of --cases (default 0)")
     fz.add_argument("--seed", type=int, default=None, help="replay the one case a failure printed")
     args = parser.parse_args(argv)
     command = args.command or "run"
@@ -84,7 +98,7 @@ def main(argv=None):
         return registry()
     if command == "fuzz":
         from .fuzz import fuzz
-        return 1 if fuzz(args.seconds, args.seed) else 0
+        return 1 if fuzz(args.seconds, args.seed, cases=args.cases, start=args.start) else 0
 
 
 def check() -> int:

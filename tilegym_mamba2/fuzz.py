@@ -178,17 +178,27 @@ def check_malformed(rng, backend, device):
 CHECKS = {"layer": check_layer, "serving": check_serving, "malformed": check_malformed}
 
 
-def fuzz(seconds=60.0, seed=None, log=print) -> int:
-    """Runs random cases for ``seconds`` (one case with ``seed``) -> the number of failures."""
+def fuzz(seconds=60.0, seed=None, log=print, cases=None, start=0) -> int:
+    """Runs random cases -> the number of failures: ``cases`` cases drawn from the master seed
+    ``start`` (the same cases on every machine, however fast), else cases for ``seconds`` of wall
+    time; with ``seed``, that one case (what a failure prints). Each failure prints its seed."""
     on_gpu = torch.cuda.is_available()
     backend, device = ("cutile", "cuda") if on_gpu else ("pytorch", "cpu")
-    log(f"fuzzing the {backend} backend on {device} for {seconds:.0f} s"
+    budget = f"{cases} cases from --start {start}" if cases is not None else f"{seconds:g} s"
+    log(f"fuzzing the {backend} backend on {device}: " + ("one case" if seed is not None else budget)
         + ("" if on_gpu else " (a GPU runs the same cases on the cutile kernels)"))
-    master = random.Random(seed)
+    master = random.Random(start if cases is not None else None)
     tried = {name: 0 for name in CHECKS}
     failures = []
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline or (seed is not None and not sum(tried.values())):
+
+    def more():
+        if seed is not None:
+            return not sum(tried.values())
+        if cases is not None:
+            return sum(tried.values()) < cases
+        return time.monotonic() < deadline
+    while more():
         case_seed = master.randrange(1 << 31) if seed is None else seed
         rng = random.Random(case_seed)
         kind = rng.choice(sorted(CHECKS))
@@ -200,8 +210,6 @@ def fuzz(seconds=60.0, seed=None, log=print) -> int:
         if not ok:
             failures.append((kind, case_seed, detail))
             log(f"FAIL {kind} --seed {case_seed}: {detail}")
-        if seed is not None:
-            break
     log(f"{sum(tried.values())} cases ({', '.join(f'{k} {v}' for k, v in tried.items())}), "
         f"{len(failures)} failures")
     return len(failures)

@@ -95,9 +95,13 @@ def _conv(g, tokens, batch, cu, dtype, device, sizes):
     return t, ("x",), 2, run
 
 
+GPU_MIXER = dict(nheads=8, headdim=64, dstate=64, ngroups=1, width=4, d_nonssm=0, out_dim=64)  # cuTile's sizes
+
+
 def _mixer(g, tokens, batch, cu, dtype, device, sizes):
-    t = mixer_inputs(g, batch, tokens, **MIXER)
-    headdim, ngroups = MIXER["headdim"], MIXER["ngroups"]
+    dims = GPU_MIXER if torch.device(device).type == "cuda" else MIXER
+    t = mixer_inputs(g, batch, tokens, **dims)
+    headdim, ngroups = dims["headdim"], dims["ngroups"]
 
     def run(leaves, seq_idx, cu_seqlens, cp, final):
         import tilegym_mamba2
