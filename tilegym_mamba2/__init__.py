@@ -180,7 +180,7 @@ def rms_norm(x, weight, gate=None, eps=1e-6, group_size=None, *, backend=None):
     """
     if torch.compiler.is_compiling():
         return serving_ops.rms_norm(x, weight, gate, eps, group_size, backend or "")
-    op = "rms_norm"
+    op = "mamba2_rms_norm"
     return implementation(op, _backend(op, backend, x))(x, weight, gate, eps, group_size)
 
 

@@ -88,7 +88,7 @@ def _(x, weight, bias, seq_idx, initial_states, final_states, activation, backen
 @torch.library.custom_op("tilegym_mamba2::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, group_size: int | None,
               backend: str) -> Tensor:
-    op = "rms_norm"
+    op = "mamba2_rms_norm"
     return implementation(op, _backend(op, backend, x))(x, weight, gate, eps, group_size)
 
 

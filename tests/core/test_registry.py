@@ -286,3 +286,79 @@ def test_reloaded_registry_does_not_displace_our_own():
         print("ok")
     """)
     assert "ok" in run_python(script)
+
+
+def test_importing_the_plugin_changes_no_tilegym_op_but_the_declared_drop_ins():
+    """A snapshot of tilegym's registry before and after `import tilegym_mamba2`: every op keeps
+    every backend it had, with the same implementation and public signature; a declared drop-in's
+    taken slot moves to its `displaces` name; tilegym's own rms_norm is still what tilegym.ops.rms_norm
+    calls (on a CPU it fails exactly as it did before the import) and ours has a name of its own."""
+    pytest.importorskip("tilegym")
+    run_python(textwrap.dedent("""
+        import inspect
+        import torch
+        import tilegym
+        import tilegym.ops
+        from tilegym.backend.dispatcher import _REGISTRY
+        before = {op: dict(slots) for op, slots in _REGISTRY.items()}
+        public = {op: getattr(tilegym.ops, op) for op in before if hasattr(tilegym.ops, op)}
+        signatures = {op: str(inspect.signature(f)) for op, f in public.items()}
+
+        def outcome():
+            try:
+                return repr(tilegym.ops.rms_norm(torch.ones(2, 8), (8,), torch.ones(8), 1e-6))
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+        rms_norm_before = outcome()
+
+        import tilegym_mamba2
+        from tilegym_mamba2.core.registry import shipped_registry
+        entries = shipped_registry()
+        for op, slots in before.items():
+            entry = entries.get(op)
+            for backend, impl in slots.items():
+                taken = entry is not None and backend in entry.backends
+                assert entry is None or not taken or entry.displaces, (op, backend, "taken without displaces")
+                where = entry.displaces if taken else backend
+                assert _REGISTRY[op][where] is impl, (op, backend, where)
+        for op, f in public.items():
+            assert getattr(tilegym.ops, op) is f, op
+            assert str(inspect.signature(getattr(tilegym.ops, op))) == signatures[op], op
+        assert outcome() == rms_norm_before, (outcome(), rms_norm_before)
+        assert "mamba2_rms_norm" in _REGISTRY and hasattr(tilegym.ops, "mamba2_rms_norm")
+        x, w = torch.randn(3, 8), torch.rand(8)
+        ours = tilegym.ops.mamba2_rms_norm(x, w, backend="pytorch")
+        torch.testing.assert_close(ours, w * x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6))
+        print("ok")
+    """))
+
+
+def test_an_op_that_would_shadow_one_of_tilegyms_is_refused_before_any_change():
+    pytest.importorskip("tilegym")
+    run_python(textwrap.dedent("""
+        import tilegym
+        from tilegym.backend.dispatcher import _REGISTRY
+        import tilegym_mamba2
+        from tilegym_mamba2.core.registry import install, load_registry
+        snapshot = {op: dict(slots) for op, slots in _REGISTRY.items()}
+        entries = load_registry('''
+        ops:
+          an_op_of_our_own:
+            backends: {pytorch: "tilegym_mamba2.backends.pytorch:rms_norm_pytorch"}
+            fallback: pytorch
+          rms_norm:
+            backends: {cutile: "tilegym_mamba2.cutile.serving.rms_norm:rms_norm",
+                       pytorch: "tilegym_mamba2.backends.pytorch:rms_norm_pytorch"}
+            fallback: pytorch
+        ''')
+        try:
+            install(entries)
+        except RuntimeError as e:
+            message = str(e)
+        else:
+            raise AssertionError("an op shadowing tilegym's rms_norm was registered")
+        assert "op 'rms_norm' would shadow tilegym's own tilegym.ops.rms_norm" in message, message
+        assert "displaces" in message, message
+        assert {op: dict(slots) for op, slots in _REGISTRY.items()} == snapshot, "something was registered"
+        print("ok")
+    """))

@@ -106,16 +106,43 @@ def backend_for(op: str, backend, x) -> str:
     return "cutile" if torch.compiler.is_compiling() else preferred_backend(op)
 
 
-def install() -> bool:
-    """Registers every op of ops_registry.yaml with tilegym; False when tilegym is absent."""
+def install(entries: dict | None = None) -> bool:
+    """Registers every op of ops_registry.yaml (or ``entries``) with tilegym; False when
+    tilegym is absent. Refuses, before changing anything, an op that would shadow one of
+    tilegym's own without being declared a drop-in."""
     try:
         import tilegym
         from tilegym.backend import dispatcher
     except ImportError:
         return False
-    for entry in shipped_registry().values():
+    entries = shipped_registry() if entries is None else entries
+    for entry in entries.values():
+        check_not_shadowing(entry, tilegym.ops, dispatcher)
+    for entry in entries.values():
         install_op(entry, tilegym.ops, dispatcher)
     return True
+
+
+def _ours(impl) -> bool:
+    """An implementation or public stub this package registered (tilegym's dispatch also files
+    the stub under "default")."""
+    return getattr(impl, "is_tilegym_mamba2_impl", False) or getattr(impl, "is_tilegym_mamba2_stub", False)
+
+
+def check_not_shadowing(entry: OpEntry, ops_module, dispatcher) -> None:
+    """RuntimeError when tilegym has an op of ``entry``'s name (implementations or a public
+    function not ours) and the entry is not a declared drop-in (``displaces``)."""
+    if entry.displaces:
+        return
+    theirs = sorted(b for b, impl in dispatcher._REGISTRY.get(entry.name, {}).items()
+                    if not _ours(impl))
+    public = getattr(ops_module, entry.name, None)
+    if theirs or (public is not None and not _ours(public)):
+        raise RuntimeError(
+            f"tilegym_mamba2: ops_registry.yaml's op {entry.name!r} would shadow tilegym's own tilegym.ops."
+            f"{entry.name} (backends {theirs}). Give the op a name of its own, or, if it meets tilegym's "
+            f"contract for {entry.name}, declare it a drop-in with 'displaces: <backend name>' so that "
+            f"tilegym's implementation stays reachable under that name.")
 
 
 def install_op(entry: OpEntry, ops_module, dispatcher) -> None:
@@ -138,4 +165,5 @@ def _public_stub(entry: OpEntry) -> Callable:
         raise NotImplementedError(f"{entry.name} has no implementation for the current backend")
     stub.__name__ = stub.__qualname__ = entry.name
     stub.__doc__ = entry.contract
+    stub.is_tilegym_mamba2_stub = True   # functools.wraps carries it to the dispatching wrapper
     return stub
