@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import tilegym_mamba2
 from tilegym_mamba2 import __main__ as cli
 from tilegym_mamba2.core.toolchain import find_toolchain
 
@@ -34,3 +35,20 @@ def test_main_command_on_cpu(capsys):
     assert "No GPU" in out and "mamba_chunk_scan_combined" in out
     for kernel in ("compute_out_kernel", "varlen_states_kernel", "sequence_init_kernel"):
         assert kernel in out
+
+
+def test_our_commands_keep_tilegyms_optional_backend_warnings_out_and_ours_in():
+    """tilegym's import warnings about its Triton and TileCpp backends are not ours to act on:
+    `python -m tilegym_mamba2 --help` prints none; a library import still shows tilegym's."""
+    import subprocess
+    import sys
+    pytest.importorskip("tilegym")
+    command = subprocess.run([sys.executable, "-m", "tilegym_mamba2", "--help"], capture_output=True, text=True,
+                             timeout=300)
+    assert command.returncode == 0, command.stderr
+    for message in tilegym_mamba2.TILEGYM_OPTIONAL_BACKEND_WARNINGS:
+        assert message not in command.stderr, command.stderr
+    ours = "import warnings; warnings.warn('a warning of ours')"
+    library = subprocess.run([sys.executable, "-W", "always", "-c", f"import tilegym_mamba2; {ours}"],
+                             capture_output=True, text=True, timeout=300)
+    assert "a warning of ours" in library.stderr

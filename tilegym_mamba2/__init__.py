@@ -6,11 +6,17 @@ installed), so ``tilegym.ops.mamba2_chunk_forward`` and the others run our kerne
 "cutile" backend. The same ops are callable directly from this package; the two scan ops are
 differentiable (autograd, torch.compile).
 """
+import os
+import sys
+import warnings
+
 import torch
 
 from . import autograd, serving_ops
 from .core.registry import backend_for as _backend, implementation, install
 from .testing import Mamba2ProblemSpec
+
+TILEGYM_OPTIONAL_BACKEND_WARNINGS = ("Triton backend import failed", "TileCpp backend is not available")
 
 __version__ = "0.1.0"
 
@@ -217,7 +223,20 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         norm_before_gate)
 
 
-install()
+
+def _running_our_command() -> bool:
+    """`python -m tilegym_mamba2 ...` or the tilegym-mamba2 script (this package's own commands)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return argv[1:3] == ["-m", "tilegym_mamba2"] or os.path.basename(sys.argv[0] or "") == "tilegym-mamba2"
+
+
+# tilegym warns at import about its optional backends (Triton, TileCpp); our commands use neither,
+# so they stay out of our commands' output. A library user sees them as tilegym emits them.
+with warnings.catch_warnings():
+    if _running_our_command():
+        for message in TILEGYM_OPTIONAL_BACKEND_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    install()
 
 __all__ = ["Mamba2ProblemSpec", "mamba2_chunk_backward", "mamba2_chunk_forward", "mamba_chunk_scan_combined",
            "mamba_split_conv1d_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update",
