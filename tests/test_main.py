@@ -52,3 +52,11 @@ def test_our_commands_keep_tilegyms_optional_backend_warnings_out_and_ours_in():
     library = subprocess.run([sys.executable, "-W", "always", "-c", f"import tilegym_mamba2; {ours}"],
                              capture_output=True, text=True, timeout=300)
     assert "a warning of ours" in library.stderr
+
+
+@pytest.mark.parametrize("target", ["sm_xx", "90", "sm_", "sm_9x"])
+def test_a_bad_compile_target_is_refused_naming_the_flag(target, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compile", "--target", target])
+    assert exit_.value.code == 2
+    assert "--target must be sm_ and a compute capability" in capsys.readouterr().err

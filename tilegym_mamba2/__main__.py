@@ -6,6 +6,7 @@ run (default)  checks the environment and runs both ops: on a GPU our kernels ag
 """
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -23,6 +24,14 @@ def _positive_int(flag):
             raise argparse.ArgumentTypeError(f"{flag} must be a whole number >= 1, got {text!r}")
         return value
     return parse
+
+
+def _gpu_target(text):
+    """An argparse type for --target: sm_ and a compute capability, e.g. sm_90."""
+    if not re.fullmatch(r"sm_[1-9][0-9]+[af]?", text):
+        raise argparse.ArgumentTypeError(f"--target must be sm_ and a compute capability (sm_80, sm_90, sm_100), "
+                                         f"got {text!r}")
+    return text
 
 
 def _positive_seconds(text):
@@ -43,7 +52,7 @@ def main(argv=None):
     sub.add_parser("run", help="environment check and one forward pass (the default)")
     sub.add_parser("check", help="report the cuTile toolchain and GPU")
     comp = sub.add_parser("compile", help="ahead-of-time compile every kernel (no GPU needed)")
-    comp.add_argument("--target", default="sm_90", help="e.g. sm_80, sm_90, sm_100")
+    comp.add_argument("--target", type=_gpu_target, default="sm_90", help="e.g. sm_80, sm_90, sm_100")
     bench = sub.add_parser("bench", help="side-by-side benchmark with the installed peers (GPU)")
     bench.add_argument("--grid", action="store_true", help="the larger shape grid, not only ANCHORS.md's")
     bench.add_argument("--only", nargs="*", help="peers to include (tilegym mamba_ssm fla)")

@@ -212,30 +212,27 @@ def sequence_edge_terms(x, B, C, dy, weight, log_decay, cu_seqlens, seq_idx, sta
     acc = log_decay.dtype
     heads, groups = x.shape[2], B.shape[2]
     per_head_b, per_head_c = expand_groups(B, heads)[0], expand_groups(C, heads)[0]
-    running = torch.cat([log_decay.new_zeros(1, heads, dtype=torch.float64),
-                         log_decay[0].to(torch.float64).cumsum(0)])          # running[t + 1] = g_t
-    received = torch.zeros_like(log_decay[0])
-    sent = torch.zeros_like(log_decay[0])
-    constant = torch.zeros_like(log_decay[0])
+    dl = torch.zeros_like(log_decay[0])
     dxs = torch.zeros(x.shape[1:], dtype=acc, device=x.device)
     db = torch.zeros(*x.shape[1:3], B.shape[3], dtype=acc, device=x.device)
     dc = torch.zeros_like(db)
+    # Every sum runs within one sequence (running sums restart at its first token): a NaN or inf
+    # of one sequence never enters another's terms, as a difference of row-long sums would.
     for s, (p, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
-        g = running[p + 1:end + 1]
-        into = torch.exp(g - running[p]).to(acc)                           # exp(g_t - g_{p-1})
-        out_of = torch.exp(running[end] - g).to(acc)                       # exp(g_e - g_t)
+        g = log_decay[0, p:end].to(torch.float64).cumsum(0)                  # g_t - g_{p-1}
+        into = torch.exp(g).to(acc)                                          # exp(g_t - g_{p-1})
+        out_of = torch.exp(g[-1] - g).to(acc)                                # exp(g_e - g_t)
         start, grad = starts[s].to(acc), ends[s].to(acc)
         dxs[p:end] = out_of[..., None] * torch.einsum("hpn,thn->thp", grad, per_head_b[p:end].to(acc))
         db[p:end] = (weight[0, p:end] * out_of)[..., None] * torch.einsum("hpn,thp->thn", grad, x[0, p:end].to(acc))
         dc[p:end] = into[..., None] * torch.einsum("hpn,thp->thn", start, dy[0, p:end].to(acc))
-        received[p:end] = (dy[0, p:end].to(acc) * torch.einsum("hpn,thn->thp", start, per_head_c[p:end].to(acc))).sum(-1)
-        received[p:end] *= into
-        sent[p:end] = weight[0, p:end] * (x[0, p:end].to(acc) * dxs[p:end]).sum(-1)
-        constant[p:end] = (torch.exp(running[end] - running[p]).to(acc) * (grad * start).sum((-1, -2)))
-    suffix = _sequence_suffix_sums(received[None], seq_idx)
-    before = (_sequence_suffix_sums(sent[None].flip(1), seq_idx.flip(1)).flip(1)) - sent[None]
-    return EdgeTerms(suffix + before + constant[None], dxs[None], group_sums(db[None], groups, acc),
-                     group_sums(dc[None], groups, acc))
+        received = into * (dy[0, p:end].to(acc) * torch.einsum("hpn,thn->thp", start, per_head_c[p:end].to(acc))).sum(-1)
+        sent = (weight[0, p:end] * (x[0, p:end].to(acc) * dxs[p:end]).sum(-1)).to(torch.float64)
+        suffix = received.to(torch.float64).flip(0).cumsum(0).flip(0)        # over t >= u
+        before = torch.cat([sent.new_zeros(1, heads), sent.cumsum(0)[:-1]])  # over t < u
+        constant = torch.exp(g[-1]).to(acc) * (grad * start).sum((-1, -2))
+        dl[p:end] = (suffix + before).to(acc) + constant
+    return EdgeTerms(dl[None], dxs[None], group_sums(db[None], groups, acc), group_sums(dc[None], groups, acc))
 
 
 def _reverse(t, pad):
@@ -255,25 +252,6 @@ def _reverse_init(dfinal_states, dvarlen_states):
     if dfinal_states is not None:  # the row's final state is its last sequence's end state
         starts[0] += dfinal_states[0]
     return starts
-
-
-def _sequence_suffix_sums(values, seq_idx):
-    """[batch, tokens, heads] -> at each token, the sum over it and its sequence's later tokens
-    (in fp64: a long sequence's sums are differences of large suffix sums)."""
-    dtype = values.dtype
-    suffix = values.to(torch.float64).flip(1).cumsum(1).flip(1)
-    if seq_idx is None:
-        return suffix.to(dtype)
-    # Subtract the suffix sum that starts after the token's sequence ends.
-    tokens = values.shape[1]
-    after = torch.zeros_like(suffix)
-    after[:, :-1] = suffix[:, 1:]
-    last = torch.ones_like(seq_idx, dtype=torch.bool)
-    last[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
-    # Each token's sequence end: the first last-token at or after it.
-    position = torch.arange(tokens, device=values.device).expand_as(seq_idx)
-    end = torch.where(last, position, tokens).flip(1).cummin(1).values.flip(1)
-    return (suffix - after.gather(1, end[..., None].expand_as(after))).to(dtype)
 
 
 def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None):

@@ -173,3 +173,76 @@ def test_decode_steps_keep_a_batch_rows_values_to_its_own_slot(backend, op):
     assert torch.equal(out[2], clean[2]) and (out[1] == 0).all()
     for slot in (0, 1, 3):                                           # every slot but row 0's
         assert torch.equal(out_state[slot], clean_state[slot])
+
+
+# Every option that changes the backward's path for packed sequences: varlen states, initial
+# states (one per sequence, or the row's), final states; cu_seqlens or seq_idx.
+OPTIONS = [dict(packing="cu_seqlens", varlen=v, init=i, final=f) for v in (False, True)
+           for i in (None, "per_sequence") for f in (False, True)] + \
+          [dict(packing="seq_idx", varlen=False, init=i, final=f) for i in (None, "row") for f in (False, True)]
+
+
+def _option_id(o):
+    return f"{o['packing']}-varlen{int(o['varlen'])}-init_{o['init']}-final{int(o['final'])}"
+
+
+def _run_with_options(inputs, init, dout, d_states, pack, o, backend):
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    init = None if init is None else init.clone().requires_grad_()
+    result = tilegym_mamba2.mamba_chunk_scan_combined(
+        **leaves, chunk_size=16, dt_softplus=True, initial_states=init, return_final_states=o["final"],
+        return_varlen_states=o["varlen"], backend=backend, **pack)
+    result = result if isinstance(result, tuple) else (result,)
+    loss = (result[0] * dout).sum()
+    if o["final"]:
+        loss = loss + (result[1] * d_states[-1:]).sum()
+    if o["varlen"]:
+        loss = loss + (result[-1] * d_states).sum()
+    loss.backward()
+    grads = {k: v.grad for k, v in leaves.items()}
+    if init is not None:
+        grads["initial_states"] = init.grad
+    return result[0].detach(), grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", OPTIONS, ids=_option_id)
+@pytest.mark.parametrize("where", ["x", "dt", "B", "C", "z", "initial_states"])
+def test_no_option_lets_a_sequences_nan_reach_anothers_gradients(backend, options, where):
+    """NaN planted in sequence 1 (or in its initial state; the row's initial state belongs to
+    sequence 0): every other sequence's outputs and gradients, its initial state's included,
+    are those of the clean run."""
+    if where == "initial_states" and options["init"] is None:
+        pytest.skip("no initial states in this option set")
+    device = _device(backend)
+    g = torch.Generator().manual_seed(5)
+    inputs = {k: v.to(device) for k, v in _layer_inputs().items()}
+    sequences = len(CU) - 1
+    init = {None: None, "per_sequence": torch.randn(sequences, HEADS, P, N, generator=g),
+            "row": torch.randn(1, HEADS, P, N, generator=g)}[options["init"]]
+    init = None if init is None else init.to(device)
+    dout = torch.randn(1, TOKENS, HEADS, P, generator=g).to(device)
+    d_states = torch.randn(sequences, HEADS, P, N, generator=g).to(device)
+    pack = ({"cu_seqlens": torch.tensor(CU, dtype=torch.int32, device=device)} if options["packing"] == "cu_seqlens"
+            else {"seq_idx": torch.tensor([[_sequence_of(t) for t in range(TOKENS)]], dtype=torch.int32,
+                                          device=device)})
+    clean_out, clean_grads = _run_with_options(inputs, init, dout, d_states, pack, options, backend)
+    poisoned, poisoned_init, hit = dict(inputs), init, 1
+    if where == "initial_states":
+        poisoned_init = init.clone()
+        hit = 1 if options["init"] == "per_sequence" else 0
+        poisoned_init[hit, 0, 0, 0] = float("nan")
+    else:
+        poisoned[where] = inputs[where].clone()
+        poisoned[where][0, 20] = float("nan")    # token 20: sequence 1 = [17, 50)
+    out, grads = _run_with_options(poisoned, poisoned_init, dout, d_states, pack, options, backend)
+    for s in range(sequences):
+        if s == hit:
+            continue
+        part = slice(CU[s], CU[s + 1])
+        _same(out[:, part], clean_out[:, part], backend, f"out of sequence {s}")
+        for name in ("x", "dt", "B", "C", "z"):
+            _same(grads[name][:, part], clean_grads[name][:, part], backend, f"d{name} of sequence {s}")
+        if options["init"] == "per_sequence":
+            _same(grads["initial_states"][s], clean_grads["initial_states"][s], backend,
+                  f"dinitial_states of sequence {s}")

@@ -160,6 +160,16 @@ def test_under_tilegym_ops():
     (dict(rmsnorm_weight=torch.zeros(5)), "rmsnorm_weight must be"),
     (dict(outproj_weight=torch.zeros(12, 7)), "outproj_weight must be"),
     (dict(dt_bias=[0.0] * 4), "dt_bias must be a torch.Tensor"),
+    (dict(outproj_weight=torch.zeros(5, 32), outproj_bias=torch.zeros(6)), r"outproj_bias must be \[out_dim\] = \(5,\)"),
+    (dict(rmsnorm_weight=[1.0] * 32), "rmsnorm_weight must be a torch.Tensor or None"),
+    (dict(conv1d_bias=[0.0] * 64), "conv1d_bias must be a torch.Tensor or None"),
+    (dict(outproj_weight=[[0.0] * 32] * 12), "outproj_weight must be a torch.Tensor or None"),
+    (dict(rmsnorm_eps=-1.0), "rmsnorm_eps must be a positive finite number"),
+    (dict(rmsnorm_eps=float("nan")), "rmsnorm_eps must be a positive finite number"),
+    (dict(rmsnorm_eps="1e-5"), "rmsnorm_eps must be a positive number, got str"),
+    (dict(conv1d_weight=torch.zeros(64, 5)), r"conv1d_weight must be .* width one of \(2, 3, 4\)"),
+    (dict(norm_before_gate="no"), "norm_before_gate must be True or False"),
+    (dict(ngroups=True), "ngroups must be an int"),
 ])
 def test_bad_input_names_the_argument(change, message):
     args, kw = make_case("hf_mixer")
@@ -167,6 +177,14 @@ def test_bad_input_names_the_argument(change, message):
         (args if key in args else kw)[key] = value
     with pytest.raises((ValueError, TypeError), match=message):
         tilegym_mamba2.mamba_split_conv1d_scan_combined(*args.values(), **kw)
+
+
+def test_a_five_wide_convolution_is_refused_alike_with_and_without_seq_idx():
+    args, kw = make_case("hf_mixer")
+    args["conv1d_weight"] = torch.zeros(64, 5)
+    for seq_idx in (None, torch.zeros(2, 45, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="conv1d_weight must be"):
+            tilegym_mamba2.mamba_split_conv1d_scan_combined(*args.values(), **kw, seq_idx=seq_idx)
 
 
 def test_integer_zxbcdt_is_named():

@@ -348,3 +348,15 @@ def test_value_checks_on_request_name_a_and_dt(monkeypatch):
     layer["A"] = torch.ones(H)
     with pytest.raises(ValueError, match=r"^A must be negative"):
         tilegym_mamba2.mamba_chunk_scan_combined(**layer, backend="pytorch")
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens", "seq_idx"])
+def test_packing_on_another_device_is_named_before_its_values_are_read(name):
+    """A meta tensor cannot be read: the one-device error must come first, naming the argument."""
+    import tilegym_mamba2
+    x, dt, B = torch.randn(1, 20, 2, 4), torch.rand(1, 20, 2), torch.randn(1, 20, 1, 4)
+    packing = {"cu_seqlens": torch.tensor([0, 5, 20], device="meta"),
+               "seq_idx": torch.zeros(1, 20, dtype=torch.int32, device="meta")}[name]
+    with pytest.raises(ValueError, match=rf"^all tensors must be on one device, got x on cpu, {name} on meta"):
+        tilegym_mamba2.mamba_chunk_scan_combined(x, dt, -torch.ones(2), B, B, 16, backend="pytorch",
+                                                 **{name: packing})

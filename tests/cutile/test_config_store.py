@@ -23,7 +23,9 @@ def never_timed(config):
     raise AssertionError("nothing should be timed with tuning off")
 
 
-@pytest.mark.parametrize("content", ["[1, 2]", "null", '"text"', "17", "{not json", ""])
+@pytest.mark.parametrize("content", ["[1, 2]", "null", '"text"', "17", "{not json", "",
+                                     "[" * 100000 + "]" * 100000, '{"k": ' + "[" * 100000 + "]" * 100000 + "}"],
+                         ids=["list", "null", "text", "number", "not json", "empty", "deep list", "deep entry"])
 def test_ill_typed_or_unreadable_content_is_ignored_with_one_warning(tmp_path, capsys, content):
     path = tmp_path / "configs.json"
     path.write_text(content)

@@ -1,6 +1,7 @@
 """Spawned ranks for the context-parallel tests: each builds the same global inputs from a seed,
 runs the single-process op on the whole sequence and the context-parallel op on its slice, and
 reports the largest differences (outputs, final states, every gradient) to the parent."""
+import faulthandler
 import functools
 import os
 import traceback
@@ -30,7 +31,8 @@ def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
     ctx = mp.get_context("spawn")
     messages, release = ctx.Queue(), ctx.Event()
     rendezvous = os.path.join(tempfile.mkdtemp(prefix="cp-rdv-"), "file")
-    procs = [ctx.Process(target=_rank_main, args=(rank, world, rendezvous, messages, release, env or {}, cases, args))
+    procs = [ctx.Process(target=_rank_main, args=(rank, world, rendezvous, messages, release, env or {}, cases, args,
+                                                              case_timeout))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -71,14 +73,18 @@ def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
 _END = "(end)"
 
 
-def _rank_main(rank, world, rendezvous, messages, release, env, cases, args):
+def _rank_main(rank, world, rendezvous, messages, release, env, cases, args, case_timeout):
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
         for name, call in cases(rank, world, *args).items():
             messages.put((rank, "start", name, None))
-            messages.put((rank, "done", name, _guarded(call)))
+            # a rank still in the case near its timeout prints where it waits (to the test's stderr)
+            faulthandler.dump_traceback_later(max(1.0, case_timeout - 2), exit=False)
+            value = _guarded(call)
+            faulthandler.cancel_dump_traceback_later()
+            messages.put((rank, "done", name, value))
         messages.put((rank, "done", _END, None))
     except Exception:
         messages.put((rank, "crash", None, traceback.format_exc()))

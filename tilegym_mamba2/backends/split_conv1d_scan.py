@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import autograd
+from ..core.serving_validation import CONV_WIDTHS
 from .pytorch import causal_conv1d_fn_pytorch
 
 
@@ -57,7 +58,7 @@ def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
     """
     nheads, headdim, dstate, d_nonssm = check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
                                                          ngroups, activation, rmsnorm_weight, outproj_weight,
-                                                         outproj_bias)
+                                                         outproj_bias, rmsnorm_eps, norm_before_gate)
     batch, seqlen, _ = zxbcdt.shape
     dim = nheads * headdim
     zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
@@ -120,13 +121,24 @@ def _gated_rms_norm(y, z, weight, eps, group_size, norm_before_gate):
 
 
 def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim, ngroups, activation, rmsnorm_weight,
-                     outproj_weight, outproj_bias):
+                     outproj_weight, outproj_bias, rmsnorm_eps=1e-6, norm_before_gate=True):
     """-> (nheads, headdim, dstate, d_nonssm); ValueError/TypeError naming the argument otherwise.
     The scan's own arguments are checked again by mamba_chunk_scan_combined."""
     for name, t in (("zxbcdt", zxbcdt), ("conv1d_weight", conv1d_weight), ("dt_bias", dt_bias), ("A", A),
-                    ("D", D)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                    ("D", D), ("conv1d_bias", conv1d_bias), ("rmsnorm_weight", rmsnorm_weight),
+                    ("outproj_weight", outproj_weight), ("outproj_bias", outproj_bias)):
+        optional = name in ("conv1d_bias", "rmsnorm_weight", "outproj_weight", "outproj_bias")
+        if not isinstance(t, torch.Tensor) and not (optional and t is None):
+            raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
+    if isinstance(rmsnorm_eps, bool) or not isinstance(rmsnorm_eps, (int, float)):
+        raise TypeError(f"rmsnorm_eps must be a positive number, got {type(rmsnorm_eps).__name__} {rmsnorm_eps!r}")
+    if not 0 < rmsnorm_eps < float("inf"):
+        raise ValueError(f"rmsnorm_eps must be a positive finite number, got {rmsnorm_eps!r}")
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"norm_before_gate must be True or False, got {norm_before_gate!r}")
+    for name, value in (("headdim", headdim), ("ngroups", ngroups)):
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if zxbcdt.ndim != 3 or min(zxbcdt.shape[:2]) < 1:
         raise ValueError(f"zxbcdt must be [batch, seqlen, channels] with batch and seqlen at least 1, "
                          f"got shape {tuple(zxbcdt.shape)}")
@@ -145,9 +157,10 @@ def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
         raise ValueError(f"ngroups must be a positive int dividing nheads ({nheads}), got {ngroups!r}")
     dim = nheads * headdim
     if (conv1d_weight.ndim != 2 or (conv1d_weight.shape[0] - dim) <= 0
-            or (conv1d_weight.shape[0] - dim) % (2 * ngroups) or conv1d_weight.shape[1] < 1):
-        raise ValueError(f"conv1d_weight must be [dim + 2 * ngroups * dstate, width >= 1] with dim = {dim}, "
-                         f"ngroups = {ngroups}, got shape {tuple(conv1d_weight.shape)}")
+            or (conv1d_weight.shape[0] - dim) % (2 * ngroups) or conv1d_weight.shape[1] not in CONV_WIDTHS):
+        raise ValueError(f"conv1d_weight must be [dim + 2 * ngroups * dstate, width] with dim = {dim}, "
+                         f"ngroups = {ngroups} and width one of {CONV_WIDTHS} (causal_conv1d's), got shape "
+                         f"{tuple(conv1d_weight.shape)}")
     dstate = (conv1d_weight.shape[0] - dim) // (2 * ngroups)
     extra = zxbcdt.shape[2] - 2 * dim - 2 * ngroups * dstate - nheads
     if extra < 0 or extra % 2:
@@ -168,4 +181,7 @@ def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
     elif outproj_weight.ndim != 2 or outproj_weight.shape[1] != dim + extra // 2:
         raise ValueError(f"outproj_weight must be [out_dim, {dim + extra // 2}], got shape "
                          f"{tuple(outproj_weight.shape)}")
+    elif outproj_bias is not None and tuple(outproj_bias.shape) != (outproj_weight.shape[0],):
+        raise ValueError(f"outproj_bias must be [out_dim] = ({outproj_weight.shape[0]},) (outproj_weight's rows), "
+                         f"got shape {tuple(outproj_bias.shape)}")
     return nheads, headdim, dstate, extra // 2

@@ -132,6 +132,11 @@ def _check_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
 
 
+def _on_device(name: str, t: torch.Tensor, device: torch.device):
+    if t.device != device:
+        raise ValueError(f"all tensors must be on one device, got x on {device}, {name} on {t.device}")
+
+
 def _check_device(tensors: dict, backend: str, head_size: int, state_size: int, split_state: bool = False):
     tensors = {n: t for n, t in tensors.items() if t is not None}
     devices = {t.device for t in tensors.values()}
@@ -265,7 +270,7 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
 
     if return_varlen_states and cu_seqlens is None:
         raise ValueError("return_varlen_states=True needs cu_seqlens, the sequences' start offsets")
-    num_sequences = _check_packing(cu_seqlens, seq_idx, batch, tokens)
+    num_sequences = _check_packing(cu_seqlens, seq_idx, batch, tokens, x.device)
 
     if initial_states is not None:
         _expect_tensor("initial_states", initial_states)
@@ -303,8 +308,10 @@ def scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states
         dt_softplus, (float(dt_limit[0]), float(dt_limit[1])), return_final_states, return_varlen_states)
 
 
-def _check_packing(cu_seqlens, seq_idx, batch, tokens) -> int | None:
-    """Checks cu_seqlens and seq_idx -> the number of sequences of cu_seqlens (or None).
+def _check_packing(cu_seqlens, seq_idx, batch, tokens, device) -> int | None:
+    """Checks cu_seqlens and seq_idx -> the number of sequences of cu_seqlens (or None). Their
+    device first (x's ``device``): their values are read, and a tensor elsewhere must be named,
+    not read.
 
     Their values live on the device: every value check is computed there and read back in one
     transfer (each read waits for the queued GPU work, so a second read doubles the stall)."""
@@ -316,6 +323,7 @@ def _check_packing(cu_seqlens, seq_idx, batch, tokens) -> int | None:
                              f"offsets, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
         if batch != 1:
             raise ValueError(f"cu_seqlens packs sequences along tokens and needs batch 1, got batch {batch}")
+        _on_device("cu_seqlens", cu_seqlens, device)
         flags["cu_seqlens"] = ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == tokens)
                                & (cu_seqlens[1:] > cu_seqlens[:-1]).all())
     if seq_idx is not None:
@@ -323,6 +331,7 @@ def _check_packing(cu_seqlens, seq_idx, batch, tokens) -> int | None:
         if seq_idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"seq_idx must be an int32 or int64 tensor, got {seq_idx.dtype}")
         _expect_shape("seq_idx", seq_idx, (batch, tokens), "[batch, tokens]")
+        _on_device("seq_idx", seq_idx, device)
         if cu_seqlens is not None:
             # Equal to the ids cu_seqlens defines implies sorted.
             flags["agree"] = (seq_idx == seq_idx_from_cu_seqlens(cu_seqlens, tokens)).all()

@@ -40,8 +40,8 @@ def read_entries(path: str) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:
-        _warn_once(path, f"ignoring unreadable tuning cache {path}: {e}")
+    except (OSError, ValueError, RecursionError) as e:   # RecursionError: nesting deeper than json reads
+        _warn_once(path, f"ignoring unreadable tuning cache {path}: {type(e).__name__}: {e}")
         return {}
     if not isinstance(data, dict):
         _warn_once(path, f"ignoring tuning cache {path}: a JSON {type(data).__name__}, not an object of entries")

@@ -35,7 +35,7 @@ def context_parallel_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bi
         check_group_device(group, zxbcdt.device if isinstance(zxbcdt, torch.Tensor) else torch.device("cpu"))
         nheads, hd, dstate, d_nonssm = check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
                                                         ngroups, activation, rmsnorm_weight, outproj_weight,
-                                                        outproj_bias)
+                                                        outproj_bias, rmsnorm_eps, norm_before_gate)
         batch, dim = zxbcdt.shape[0], nheads * hd
         _, _, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         check_conv_args(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx, None, False, None, activation,
