@@ -362,3 +362,23 @@ def test_an_op_that_would_shadow_one_of_tilegyms_is_refused_before_any_change():
         assert {op: dict(slots) for op, slots in _REGISTRY.items()} == snapshot, "something was registered"
         print("ok")
     """))
+
+
+@pytest.mark.gpu
+def test_tilegyms_own_rms_norm_runs_on_the_gpu_after_the_import():
+    """What a TileGym-patched Llama calls in the same process as us: tilegym's general RMSNorm,
+    (input, normalized_shape, weight, eps), against torch's."""
+    pytest.importorskip("tilegym")
+    run_python(textwrap.dedent("""
+        import torch
+        import tilegym
+        import tilegym_mamba2
+        tilegym.set_backend("cutile")
+        x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(256, device="cuda", dtype=torch.bfloat16)
+        got = tilegym.ops.rms_norm(x, (256,), w, 1e-6)
+        want = torch.nn.functional.rms_norm(x.float(), (256,), w.float(), 1e-6)
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err < 1e-2, err
+        print("ok")
+    """))

@@ -42,8 +42,14 @@ def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
     try:
         while any(current[r] is not None for r in range(world)):
             try:
-                rank, kind, case, value = messages.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, kind, case, value = messages.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except queue.Empty:
+                dead = [r for r in range(world) if current[r] is not None and procs[r].exitcode is not None]
+                if dead:   # a rank that died cannot report: say so at once
+                    raise AssertionError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} while in "
+                                         f"{current[dead[0]]}") from None
+                if time.monotonic() < deadline:
+                    continue
                 stuck = sorted(r for r in range(world) if current[r] is not None)
                 waiting = {r: current[r] for r in stuck}
                 raise AssertionError(f"hang: {world} ranks, ranks {stuck} still waiting ({waiting}) "

@@ -9,6 +9,7 @@ rank raises one error naming that rank. Every case runs under a hard timeout (cp
 that names the ranks still waiting, so a hang fails the test instead of stalling the suite."""
 import functools
 import itertools
+import os
 
 import pytest
 import torch.distributed as dist
@@ -77,3 +78,16 @@ def _one_rank_hangs(rank, world):
 def test_the_harness_names_the_ranks_still_waiting():
     with pytest.raises(AssertionError, match=r"ranks \[1\] still waiting \(\{1: 'hangs'\}\)"):
         run_ranks(2, _one_rank_hangs, case_timeout=3)
+
+
+def _one_rank_dies(rank, world):
+    def case():
+        if rank == 1:
+            os._exit(3)
+        dist.barrier()   # would wait forever for rank 1
+    return {"dies": case}
+
+
+def test_the_harness_names_a_rank_that_died_at_once():
+    with pytest.raises(AssertionError, match=r"rank 1 exited with code 3 while in "):
+        run_ranks(2, _one_rank_dies, case_timeout=600)
