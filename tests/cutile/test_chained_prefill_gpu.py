@@ -52,8 +52,16 @@ def chained_run(inputs, per_segment):
     return stages.out, stages.final_state
 
 
-@pytest.mark.parametrize("per_segment", CHAINED_SEGMENTS + (1,))
-@pytest.mark.parametrize("batch,tokens,groups,heads,state,head,dtype,with_init", CASES)
+def _case_params():
+    """Every case at the first chained segment length; the long rows (2048 tokens and more, ~40 s
+    of compiling each) at the other lengths only under the stress marker."""
+    for per_segment in CHAINED_SEGMENTS + (1,):
+        for case in CASES:
+            long_row = case[1] >= 2048 and per_segment != CHAINED_SEGMENTS[0]
+            yield pytest.param(per_segment, *case, marks=[pytest.mark.stress] if long_row else [])
+
+
+@pytest.mark.parametrize("per_segment,batch,tokens,groups,heads,state,head,dtype,with_init", list(_case_params()))
 def test_chained_path_matches_reference(batch, tokens, groups, heads, state, head, dtype, with_init, per_segment):
     spec, inputs = sample(batch, tokens, groups, heads, state, head, dtype, with_init)
     with poisoned_outputs():
