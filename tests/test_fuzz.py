@@ -14,8 +14,9 @@ from tilegym_mamba2 import fuzz as fuzzing
 def test_a_few_seconds_of_every_kind_pass():
     lines = []
     assert fuzzing.fuzz(cases=60, log=lines.append) == 0
-    counts = dict(re.findall(r"(layer|serving|malformed) (\d+)", lines[-1]))
-    assert set(counts) == {"layer", "serving", "malformed"} and min(map(int, counts.values())) > 0, lines[-1]
+    counts = dict(re.findall(r"(layer|serving|malformed|isolation) (\d+)", lines[-1]))
+    assert set(counts) == {"layer", "serving", "malformed", "isolation"}, lines[-1]
+    assert min(map(int, counts.values())) > 0, lines[-1]
 
 
 def test_a_wrong_result_is_found_and_its_seed_replays_it(monkeypatch):
@@ -40,7 +41,7 @@ def test_a_crash_or_a_write_before_an_error_is_found(monkeypatch):
         return real(state, *args, **kwargs)
     monkeypatch.setattr(tilegym_mamba2, "selective_state_update", writes_then_checks)
     lines = []
-    fuzzing.fuzz(cases=60, log=lines.append)
+    fuzzing.fuzz(cases=120, log=lines.append)
     assert any("malformed" in line and "before raising" in line for line in lines), lines[-3:]
 
 
@@ -48,6 +49,30 @@ def test_the_command_line_runs_it():
     from tilegym_mamba2.__main__ import main
     assert main(["fuzz", "--cases", "10"]) == 0
     assert main(["fuzz", "--seconds", "0.5"]) == 0
+
+
+def test_a_nan_that_crosses_packed_sequences_is_found(monkeypatch):
+    """A backward that lets one sequence's NaN into every gradient fails the isolation cases."""
+    real = tilegym_mamba2.mamba_chunk_scan_combined
+
+    class Leaky(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out):
+            ctx.save_for_backward(out)
+            return out.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (out,) = ctx.saved_tensors
+            return grad + 0 * out.sum()      # any NaN of the outputs reaches every gradient
+
+    def leaky(*args, **kwargs):
+        result = real(*args, **kwargs)
+        return (Leaky.apply(result[0]), *result[1:]) if isinstance(result, tuple) else Leaky.apply(result)
+    monkeypatch.setattr(tilegym_mamba2, "mamba_chunk_scan_combined", leaky)
+    lines = []
+    fuzzing.fuzz(cases=40, log=lines.append)
+    assert any(line.startswith("FAIL isolation") for line in lines), lines[-1]
 
 
 def test_the_same_cases_on_every_run():

@@ -9,9 +9,13 @@ Each case draws its own seed (printed with a failure, so that ``--seed`` replays
   serving    selective_state_update and causal_conv1d_update with continuous-batching indices
              (padding rows included), causal_conv1d_fn with packed sequences; against their
              references in float64, states compared too.
-  malformed  a valid layer or serving call with one argument broken (a shape, a dtype, a type, an
-             index out of range): it must raise ValueError or TypeError naming that argument,
-             and leave every state it was given as it was.
+  malformed  a valid layer, mixer (mamba_split_conv1d_scan_combined) or serving call with one
+             argument broken (a shape, a dtype, a type, an index out of range, a bad option value):
+             it must raise ValueError or TypeError naming that argument, and leave every state
+             it was given as it was.
+  isolation  a packed layer call with its options drawn (varlen, final and per-sequence initial
+             states), NaN planted in one sequence's input: every other sequence's outputs and
+             gradients must be the clean call's.
 The cutile backend on a GPU, the pytorch backend otherwise.
 """
 import random
@@ -31,14 +35,14 @@ def _rel(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
-def _layer_case(rng, device):
-    """-> (kwargs of mamba_chunk_scan_combined, dtype)."""
+def _layer_case(rng, device, packed=False):
+    """-> (kwargs of mamba_chunk_scan_combined, dtype); ``packed``: two sequences or more."""
     dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
     groups = rng.choice([1, 2])
     heads = groups * rng.choice([1, 2, 4])
     head_size, state = rng.choice([16, 32, 64]), rng.choice([16, 32, 64])
-    tokens = rng.randint(1, 300)
-    packing = rng.choice(["none", "seq_idx", "cu_seqlens"])
+    tokens = rng.randint(2 if packed else 1, 300)
+    packing = rng.choice(["seq_idx", "cu_seqlens"] if packed else ["none", "seq_idx", "cu_seqlens"])
     batch = 1 if packing == "cu_seqlens" else rng.randint(1, 3)
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
 
@@ -56,7 +60,7 @@ def _layer_case(rng, device):
         kw["dt_bias"] = randn(heads, scale=0.5, dt=torch.float32)
     if rng.random() < 0.3:
         kw["dt_limit"] = (0.001, rng.choice([0.5, 2.0]))
-    cuts = sorted(rng.sample(range(1, tokens), min(tokens - 1, rng.randint(0, 6)))) if tokens > 1 else []
+    cuts = sorted(rng.sample(range(1, tokens), min(tokens - 1, rng.randint(int(packed), 6)))) if tokens > 1 else []
     if packing == "seq_idx":
         ids = [sum(t >= c for c in cuts) for t in range(tokens)]
         kw["seq_idx"] = torch.tensor([ids] * batch, dtype=torch.int32, device=device)
@@ -85,6 +89,81 @@ def check_layer(rng, backend, device):
              ([ref[2]] if kw.get("return_varlen_states") else [])
     errors = [_rel(a, b) for a, b in zip(got, wanted)]
     return max(errors) <= TOLERANCE[dtype], f"errors {['%.2e' % e for e in errors]} (tolerance {TOLERANCE[dtype]})"
+
+
+def _sequences(kw):
+    """[(row, first token, end)] of every packed sequence of a layer case."""
+    if kw.get("cu_seqlens") is not None:
+        bounds = kw["cu_seqlens"].tolist()
+        return [(0, a, b) for a, b in zip(bounds, bounds[1:])]
+    ids = kw["seq_idx"][0].tolist()
+    starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]] + [len(ids)]
+    return [(row, a, b) for row in range(kw["seq_idx"].shape[0]) for a, b in zip(starts, starts[1:])]
+
+
+def check_isolation(rng, backend, device):
+    """A packed call with its options drawn and NaN planted in one sequence's input: every other
+    sequence's outputs and gradients (its own initial state's too) are the clean call's."""
+    import tilegym_mamba2
+    kw, dtype = _layer_case(rng, device, packed=True)
+    sequences = _sequences(kw)
+    per_sequence = kw.get("initial_states") is not None and kw["initial_states"].shape[0] == len(sequences) > 1 \
+        and kw.get("cu_seqlens") is not None
+    names = [n for n in ("x", "dt", "B", "C", "z") if kw.get(n) is not None] + \
+        (["initial_states"] if per_sequence else [])
+    where, hit = rng.choice(names), rng.randrange(len(sequences))
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+
+    def run(poisoned):
+        leaves = {n: kw[n].detach().clone().requires_grad_() for n in names}
+        if poisoned:
+            row, a, b = sequences[hit]
+            with torch.no_grad():
+                if where == "initial_states":
+                    leaves[where][hit].view(-1)[0] = float("nan")
+                else:
+                    leaves[where][row, rng_token].view(-1)[0] = float("nan")
+        out = tilegym_mamba2.mamba_chunk_scan_combined(**{**kw, **leaves}, backend=backend)
+        out = out if isinstance(out, tuple) else (out,)
+        sum((o.double() * w).sum() for o, w in zip(out, weights)).backward()
+        return out[0].detach(), {n: leaves[n].grad for n in names}
+    rng_token = rng.randrange(sequences[hit][1], sequences[hit][2])
+    probe = tilegym_mamba2.mamba_chunk_scan_combined(**kw, backend=backend)
+    weights = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(device)
+               for o in (probe if isinstance(probe, tuple) else (probe,))]
+    (clean_out, clean), (out, grads) = run(False), run(True)
+    errors = []
+    for s, (row, a, b) in enumerate(sequences):
+        if s == hit or (where == "initial_states" and s == hit):
+            continue
+        pairs = [(out[row, a:b], clean_out[row, a:b])] + [(grads[n][row, a:b], clean[n][row, a:b])
+                                                          for n in names if n != "initial_states"]
+        if per_sequence:
+            pairs.append((grads["initial_states"][s], clean["initial_states"][s]))
+        errors += [_rel(got, want) if want.abs().sum() > 0 else float(not torch.isfinite(got).all())
+                   for got, want in pairs]
+    worst = max(errors, default=0.0)
+    return worst <= TOLERANCE[dtype], f"NaN in {where} of sequence {hit}: worst error elsewhere {worst:.2e}"
+
+
+def _mixer_case(rng, device):
+    """-> kwargs of a valid mamba_split_conv1d_scan_combined call (small, every weight given)."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    nheads, headdim, dstate, ngroups = 4, 16, 16, rng.choice([1, 2])
+    width, d_nonssm, dim = rng.choice([2, 3, 4]), rng.choice([0, 3]), 4 * 16
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+    channels = 2 * d_nonssm + 2 * dim + 2 * ngroups * dstate + nheads
+    return dict(zxbcdt=randn(1, rng.randint(1, 100), channels), conv1d_weight=randn(dim + 2 * ngroups * dstate, width),
+                conv1d_bias=randn(dim + 2 * ngroups * dstate), dt_bias=randn(nheads), A=-torch.rand(nheads).to(device),
+                D=randn(nheads), chunk_size=64, headdim=headdim, ngroups=ngroups, rmsnorm_weight=randn(dim),
+                rmsnorm_eps=1e-5, outproj_weight=randn(24, dim + d_nonssm, scale=0.1), outproj_bias=randn(24),
+                norm_before_gate=rng.random() < 0.5)
+
+
+MIXER_OPTIONS = {"rmsnorm_eps": [-1.0, float("nan"), "1e-5"], "ngroups": [True, 3, 0], "headdim": [0, True, "16"],
+                 "norm_before_gate": ["no", 1]}
 
 
 def _serving_case(rng, device):
@@ -151,13 +230,20 @@ def _broken(rng, kw):
 
 def check_malformed(rng, backend, device):
     import tilegym_mamba2
-    if rng.random() < 0.5:
+    kind = rng.random()
+    if kind < 0.4:
         kw, _ = _layer_case(rng, device)
         fn, buffers = tilegym_mamba2.mamba_chunk_scan_combined, ()
+    elif kind < 0.7:
+        kw, fn, buffers = _mixer_case(rng, device), tilegym_mamba2.mamba_split_conv1d_scan_combined, ()
     else:
         op, kw, buffers = _serving_case(rng, device)
         fn = getattr(tilegym_mamba2, op)
-    what, kw = _broken(rng, kw)
+    if fn is tilegym_mamba2.mamba_split_conv1d_scan_combined and rng.random() < 0.3:
+        name = rng.choice(sorted(MIXER_OPTIONS))
+        what, kw = f"{name} (value)", dict(kw, **{name: rng.choice(MIXER_OPTIONS[name])})
+    else:
+        what, kw = _broken(rng, kw)
     before = {b: kw[b].clone() for b in buffers if isinstance(kw[b], torch.Tensor)}
     name = what.split(" ")[0]
     try:
@@ -175,7 +261,8 @@ def check_malformed(rng, backend, device):
     return "shape" in what or "range" in what, f"{what}: accepted"
 
 
-CHECKS = {"layer": check_layer, "serving": check_serving, "malformed": check_malformed}
+CHECKS = {"layer": check_layer, "serving": check_serving, "malformed": check_malformed,
+          "isolation": check_isolation}
 
 
 def fuzz(seconds=60.0, seed=None, log=print, cases=None, start=0) -> int:

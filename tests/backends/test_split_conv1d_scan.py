@@ -170,6 +170,9 @@ def test_under_tilegym_ops():
     (dict(conv1d_weight=torch.zeros(64, 5)), r"conv1d_weight must be .* width one of \(2, 3, 4\)"),
     (dict(norm_before_gate="no"), "norm_before_gate must be True or False"),
     (dict(ngroups=True), "ngroups must be an int"),
+    (dict(D=torch.zeros(5)), r"D must be \[nheads\] or \[nheads, headdim\] with nheads = 4"),
+    (dict(conv1d_weight=torch.zeros(64, 4, dtype=torch.int64)), "conv1d_weight must be a floating-point tensor"),
+    (dict(outproj_bias=torch.zeros(12, dtype=torch.int64)), "outproj_bias must be a floating-point tensor"),
 ])
 def test_bad_input_names_the_argument(change, message):
     args, kw = make_case("hf_mixer")

@@ -145,14 +145,27 @@ def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
     if not zxbcdt.is_floating_point():  # else the convolution's check would name its input x
         raise TypeError(f"zxbcdt must be a floating-point tensor (bfloat16, float16, float32 or float64), "
                         f"got {zxbcdt.dtype}")
+    for name, t in (("zxbcdt", zxbcdt), ("conv1d_weight", conv1d_weight), ("dt_bias", dt_bias), ("A", A), ("D", D),
+                    ("conv1d_bias", conv1d_bias), ("rmsnorm_weight", rmsnorm_weight),
+                    ("outproj_weight", outproj_weight), ("outproj_bias", outproj_bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if D.ndim not in (1, 2):
+        raise ValueError(f"D must be [nheads] or [nheads, headdim], got shape {tuple(D.shape)}")
+    # nheads: what most of A, dt_bias and D say (A's on a tie), so that the odd one out is named
+    sizes = [t.shape[0] for t in (A, dt_bias, D) if t.ndim >= 1]
+    nheads = max(sizes, key=lambda n: (sizes.count(n), n == sizes[0]))
+    for name, t in (("dt_bias", dt_bias), ("A", A)):
+        if tuple(t.shape) != (nheads,):
+            raise ValueError(f"{name} must be [nheads] = ({nheads},), got shape {tuple(t.shape)}")
+    if D.shape[0] != nheads:
+        raise ValueError(f"D must be [nheads] or [nheads, headdim] with nheads = {nheads} (A's and dt_bias'), "
+                         f"got shape {tuple(D.shape)}")
     if D.ndim == 1:
         if not isinstance(headdim, int) or headdim < 1:
             raise ValueError(f"headdim must be a positive int when D is [nheads], got {headdim!r}")
-        nheads = D.shape[0]
-    elif D.ndim == 2:
-        nheads, headdim = D.shape
     else:
-        raise ValueError(f"D must be [nheads] or [nheads, headdim], got shape {tuple(D.shape)}")
+        headdim = D.shape[1]
     if not isinstance(ngroups, int) or ngroups < 1 or nheads % ngroups:
         raise ValueError(f"ngroups must be a positive int dividing nheads ({nheads}), got {ngroups!r}")
     dim = nheads * headdim
@@ -168,9 +181,6 @@ def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
                          f"= 2 * d_nonssm + {2 * dim + 2 * ngroups * dstate + nheads}, got {zxbcdt.shape[2]}")
     if conv1d_bias is not None and tuple(conv1d_bias.shape) != (conv1d_weight.shape[0],):
         raise ValueError(f"conv1d_bias must be [{conv1d_weight.shape[0]}], got shape {tuple(conv1d_bias.shape)}")
-    for name, t in (("dt_bias", dt_bias), ("A", A)):
-        if tuple(t.shape) != (nheads,):
-            raise ValueError(f"{name} must be [nheads] = ({nheads},), got shape {tuple(t.shape)}")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     if rmsnorm_weight is not None and tuple(rmsnorm_weight.shape) != (dim,):
