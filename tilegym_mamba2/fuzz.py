@@ -134,7 +134,7 @@ def check_isolation(rng, backend, device):
     (clean_out, clean), (out, grads) = run(False), run(True)
     errors = []
     for s, (row, a, b) in enumerate(sequences):
-        if s == hit or (where == "initial_states" and s == hit):
+        if s == hit:
             continue
         pairs = [(out[row, a:b], clean_out[row, a:b])] + [(grads[n][row, a:b], clean[n][row, a:b])
                                                           for n in names if n != "initial_states"]
