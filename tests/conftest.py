@@ -20,6 +20,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
 
 
+WORKERS_ENV = "TILEGYM_MAMBA2_TEST_WORKERS"
+
+
+def worker_count():
+    """Processes to spread the tests over: TILEGYM_MAMBA2_TEST_WORKERS if set (0: one process),
+    else on a GPU machine all cores but two, up to 16: the GPU tests' time is mostly compiling
+    kernels, one tileiras process at a time per test process, so it shrinks with cores (figures
+    in docs/design.md). Without a GPU one process."""
+    chosen = os.environ.get(WORKERS_ENV)
+    if chosen is not None:
+        if not chosen.isdigit():
+            raise pytest.UsageError(f"{WORKERS_ENV} must be a whole number of processes, got {chosen!r}")
+        return int(chosen)
+    if not torch.cuda.is_available():
+        return 0
+    return max(2, min(16, (os.cpu_count() or 1) - 2))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Spreads the run over worker_count() processes with pytest-xdist (installed by the `test`
+    extra) unless -n was given, it is a worker, or a debugger or collection-only run asked."""
+    if (hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist")
+            or config.option.numprocesses is not None or config.option.collectonly or config.option.usepdb):
+        return
+    workers = worker_count()
+    if workers:
+        config.option.numprocesses = workers
+        if config.option.dist == "no":
+            config.option.dist = "worksteal"  # uneven tests (5 s to 3 min): idle workers take queued ones
+
+
 def pytest_configure(config):
     """Tuned choices go to a cache of the test run's own, not the user's; kernels use their
     shipped or heuristic configs (no timing of candidates) except in the tuning tests, which
