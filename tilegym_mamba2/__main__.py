@@ -54,7 +54,7 @@ def main(argv=None):
     comp = sub.add_parser("compile", help="ahead-of-time compile every kernel (no GPU needed)")
     comp.add_argument("--target", type=_gpu_target, default="sm_90", help="e.g. sm_80, sm_90, sm_100")
     bench = sub.add_parser("bench", help="side-by-side benchmark with the installed peers (GPU)")
-    bench.add_argument("--grid", action="store_true", help="the larger shape grid, not only ANCHORS.md's")
+    bench.add_argument("--grid", action="store_true", help="the larger shape grid, not only the anchor shapes")
     bench.add_argument("--only", nargs="*", help="peers to include (tilegym mamba_ssm fla)")
     bench.add_argument("--tilegym-shapes", type=int, default=1,
                        help="how many shapes to time tilegym's op on (it autotunes 150-250 s per shape)")
@@ -79,6 +79,10 @@ def main(argv=None):
                             "GPU; without it, two processes sharing one GPU, or the CPU)")
     bench.add_argument("--tokens", type=_positive_int("--tokens"), default=None,
                        help="--context-parallel: the sequence length (default 2^20 under torchrun, 2^16 on one GPU)")
+    bench.add_argument("--check", action="store_true",
+                       help="instead: rerun our rows of docs/performance.md's anchor tables and flag any more "
+                            "than 10%% slower than recorded (a regression check before a release)")
+    bench.add_argument("--doc", default=None, help="--check: the performance document (default: the checkout's)")
     bench.add_argument("--stages", action="store_true",
                        help="instead: time each stage of our op alone, next to the whole call")
     tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
@@ -269,6 +273,8 @@ def bench_cmd(args) -> int:
             print(e, file=sys.stderr)
             return 2 if isinstance(e, ValueError) else 1
         return 0
+    if args.check:
+        return bench_check(args.doc)
     if not torch.cuda.is_available():
         print("bench needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
         return 1
@@ -314,6 +320,31 @@ def bench_cmd(args) -> int:
     if args.png:
         bench.plot(result, args.png)
     return 0
+
+
+def bench_check(doc) -> int:
+    """The anchors' rows rerun beside their recorded figures; 1 when any is flagged."""
+    from pathlib import Path
+    from .bench.check import default_document, measure_anchors, read_anchors, report
+    path = Path(doc) if doc else default_document()
+    if not path.is_file():
+        print(f"bench --check reads the recorded figures from a checkout's docs/performance.md; {path} is not "
+              f"a file (--doc names another)", file=sys.stderr)
+        return 2
+    try:
+        anchors = read_anchors(path.read_text())
+    except ValueError as e:
+        print(f"{path}: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(anchors)} anchor figures in {path}:")
+    for a in anchors:
+        print(f"  {a.kind:9s} {a.row:48s} {a.column:15s} {a.recorded_ms:.3f} ms")
+    if not torch.cuda.is_available():
+        print("rerunning them needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
+        return 1
+    text, flagged = report(anchors, measure_anchors(anchors))
+    print(text)
+    return 1 if flagged else 0
 
 
 def tune_cmd(args) -> int:

@@ -9,7 +9,7 @@ SOURCE = (4, 16384, 1, 8, 128, 64)
 
 
 def test_floor_and_work_match_the_anchors():
-    # ANCHORS.md: floor 0.040 ms at 4.3 TB/s; about 43 GFLOP at chunk 128.
+    # The source config: floor 0.040 ms at 4.3 TB/s; about 43 GFLOP at chunk 128.
     assert bench.floor_bytes(*SOURCE) / 4.3e12 * 1e3 == pytest.approx(0.040, abs=0.001)
     assert bench.nominal_flops(*SOURCE) / 1e9 == pytest.approx(43, abs=0.5)
     assert bench.floor_bytes(*SOURCE, elem=4) > bench.floor_bytes(*SOURCE)

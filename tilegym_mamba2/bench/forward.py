@@ -20,7 +20,7 @@ import torch
 from ..reference.ssd import chunked_forward_reference
 from ..testing import Mamba2ProblemSpec, forward_inputs
 
-ANCHOR_SHAPES = [  # (batch, tokens, groups, heads, state_size, head_size), shared/ANCHORS.md
+ANCHOR_SHAPES = [  # (batch, tokens, groups, heads, state_size, head_size): docs/performance.md's forward rows
     (4, 16384, 1, 8, 128, 64),
     (2, 8192, 1, 80, 128, 64),
     (4, 65536, 1, 8, 128, 64),
@@ -49,7 +49,8 @@ def floor_bytes(batch, tokens, groups, heads, state, head, elem=2):
 
 
 def nominal_flops(batch, tokens, groups, heads, state, head, chunk=128):
-    """C B^T, intra-chunk, carried-state and state-update matmuls at chunk 128 (ANCHORS.md)."""
+    """C B^T, intra-chunk, carried-state and state-update matmuls at chunk 128: the work a chunked
+    scan must do at tilegym's chunk size, whatever chunk a kernel uses."""
     per_chunk = 2 * chunk * chunk * state + 2 * chunk * chunk * head + 4 * chunk * state * head
     return batch * heads * math.ceil(tokens / chunk) * per_chunk
 

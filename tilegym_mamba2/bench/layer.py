@@ -29,8 +29,8 @@ class LayerCase:
 LAYER_CASES = [
     LayerCase("2.7B layer, 2 rows", 2, 8192, 1, 80, 128, 64),
     LayerCase("source config, 4 rows", 4, 16384, 1, 8, 128, 64),
-    LayerCase("packed, 64 sequences", 1, 65536, 1, 32, 128, 64, sequences=64),
-    LayerCase("packed prefill, 8 sequences", 1, 4096, 1, 32, 128, 64, sequences=8),
+    LayerCase("64 packed sequences in 65536 tokens (32 heads)", 1, 65536, 1, 32, 128, 64, sequences=64),
+    LayerCase("8 packed sequences in 4096 tokens (32 heads)", 1, 4096, 1, 32, 128, 64, sequences=8),
 ]
 
 
@@ -83,8 +83,11 @@ def _out(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def run_layer_bench(cases=LAYER_CASES, chunk_size=256, log=print):
+def run_layer_bench(cases=LAYER_CASES, chunk_size=256, peers=True, log=print):
+    """peers=False: ours alone."""
     impls, notes = implementations()
+    if not peers:
+        impls, notes = {"ours": impls["ours"]}, {}
     for name, note in notes.items():
         log(f"{name}: skipped, {note}")
     rows = []
