@@ -375,7 +375,7 @@ def test_state_512_runs_as_two_halves(monkeypatch):
     cutile_backward = cutile
     from tilegym_mamba2.backends.pytorch import kernels_for, mamba2_chunk_forward_pytorch
     from tilegym_mamba2.core.validation import check_forward_args
-    monkeypatch.setattr(cutile, "mamba2_chunk_forward", mamba2_chunk_forward_pytorch)
+    monkeypatch.setattr(cutile, "chunk_forward_kernels", mamba2_chunk_forward_pytorch)
     monkeypatch.setattr(cutile, "check_forward_args",
                         lambda *args, backend: check_forward_args(*args, backend="pytorch"))
     x, a, b, c, d, dt, init = plain_inputs(tokens=70, groups=2, state=512)

@@ -365,8 +365,8 @@ def test_training_runs_on_our_scan(n_groups, monkeypatch):
     forward), under 5.17 in the mixer's own pieces. The loss and every parameter's gradient are
     transformers' torch path's."""
     scans, combined = [], []
-    # Every scan, direct or inside the combined call, goes through autograd.scan_combined_on.
-    for module, name, seen in ((tilegym_mamba2.autograd, "scan_combined_on", scans),
+    # Every scan, direct or inside the combined call, goes through backends.dispatch.scan_combined_on.
+    for module, name, seen in ((tilegym_mamba2.backends.dispatch, "scan_combined_on", scans),
                                (tilegym_mamba2, "mamba_split_conv1d_scan_combined", combined)):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _seen=seen, **k: _seen.append(1) or _real(*a, **k))
@@ -487,8 +487,8 @@ def test_hybrid_models_train_on_our_scan(model_type, monkeypatch):
     zamba2 do when they are given a cache); the loss is transformers' torch path's, and every
     gradient is that of the patched model in float64 (our pytorch backend, exact in float64)."""
     scans = []
-    real = tilegym_mamba2.autograd.scan_combined_on  # every scan goes through it
-    monkeypatch.setattr(tilegym_mamba2.autograd, "scan_combined_on", lambda *a, **k: scans.append(1) or real(*a, **k))
+    real = tilegym_mamba2.backends.dispatch.scan_combined_on  # every scan goes through it
+    monkeypatch.setattr(tilegym_mamba2.backends.dispatch, "scan_combined_on", lambda *a, **k: scans.append(1) or real(*a, **k))
     config = HYBRIDS[model_type]()
     for name in ("mamba_n_groups", "mamba_ngroups", "n_groups"):
         if hasattr(config, name):
@@ -684,8 +684,8 @@ def test_gpu_bf16_training_step(monkeypatch):
     in fp32 on transformers' torch path, no further from it than transformers' own bf16 torch
     path, give or take."""
     scans = []
-    real = tilegym_mamba2.autograd.scan_combined_on  # every scan goes through it
-    monkeypatch.setattr(tilegym_mamba2.autograd, "scan_combined_on", lambda *a, **k: scans.append(1) or real(*a, **k))
+    real = tilegym_mamba2.backends.dispatch.scan_combined_on  # every scan goes through it
+    monkeypatch.setattr(tilegym_mamba2.backends.dispatch, "scan_combined_on", lambda *a, **k: scans.append(1) or real(*a, **k))
     ref_model, model, fp32_model = gpu_pair(seed=15, monkeypatch=monkeypatch)
     ids = prompt(batch=2, tokens=300, device="cuda", seed=16)
     for m in (ref_model, model, fp32_model):

@@ -12,7 +12,8 @@ import warnings
 
 import torch
 
-from . import autograd, serving_ops
+from . import serving_ops
+from .backends import dispatch
 from .core.registry import backend_for as _backend, implementation, install
 from .testing import Mamba2ProblemSpec
 
@@ -40,7 +41,7 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
         final_state [batch, heads, head_size, state_size] fp32.
         Differentiable in every tensor input (mamba2_chunk_backward runs on backward).
     """
-    return autograd.chunk_forward_on(backend, x, a, b, c, d, dt, init_state, chunk_size)
+    return dispatch.chunk_forward_on(backend, x, a, b, c, d, dt, init_state, chunk_size)
 
 
 def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
@@ -87,7 +88,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         [batch, heads, head_size, state_size] fp32 if asked; then varlen_states
         [num_sequences, heads, head_size, state_size] fp32 if asked.
     """
-    return autograd.scan_combined_on(_backend("mamba2_chunk_scan_combined", backend, x), x, dt, A, B, C, chunk_size,
+    return dispatch.scan_combined_on(_backend("mamba2_chunk_scan_combined", backend, x), x, dt, A, B, C, chunk_size,
                                      D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
                                      return_final_states, return_varlen_states)
 

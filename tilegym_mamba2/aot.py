@@ -69,8 +69,8 @@ def compile_layer_kernels(target="sm_90", *, sequences=3, tokens=1000, groups=1,
     init = empty(sequences if per_sequence_init else 1, heads, head_size, state_size, dt=torch.float32)
     config = choose_config(1, tokens, groups, heads, head_size, state_size, chunk_size)
     with recording_launches() as launches:
-        run_layer(x, dt, a, b, c, chunk_size, d, z, dt_bias, init, None, cu_seqlens, True, (0.001, 0.1),
-                  with_varlen_states=True, config=config)
+        run_layer(ScanCombinedArgs(x, dt, a, b, c, chunk_size, d, z, dt_bias, init, None, cu_seqlens, True,
+                                   (0.001, 0.1), True, True), config=config)
     return _export(launches, target)
 
 

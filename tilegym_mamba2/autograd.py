@@ -1,26 +1,26 @@
-"""Autograd and torch.compile for both ops: torch.library custom ops with fake implementations.
+"""Autograd and torch.compile for both scans: torch.library custom ops with fake implementations,
+and eager torch.autograd.Functions with the same setup and gradients.
 
-Each backend's entry point (backends/) sends a call here when a gradient may be wanted (an
-input that requires grad, grad mode on) or while torch.compile traces; otherwise it runs
-directly, so inference keeps its host path. The custom op's implementation calls the same entry
-point again through the registry (autograd is off inside it), which checks the arguments, so
-errors are raised at run time under torch.compile too. Gradients come from the backend's
-backward op, found through the registry too: nothing here imports a backend.
+The path of a call that may want a gradient (an input that requires grad, grad mode on), or
+that torch.compile traces: a backend's entry point (backends/) hands it to
+differentiable_chunk_forward / differentiable_scan_combined with its name; the Function (or the
+custom op) runs that backend's own functions, forward and backward, which the backend gave here
+at import (provide). Nothing here imports a backend or the registry, and no call comes back
+through either: the backend's functions run the kernels with autograd off.
 
-Eager calls go through a torch.autograd.Function with the same forward, setup and gradients
-instead: a custom op's dispatch costs host time on every call (on a CPU, with launches recorded,
-forward + backward of the plain op 491 us through the custom ops, 341 through the Function, 203
-without autograd), and on the H200 the source config's autograd step was host-bound
+Eager calls take the Function: a custom op's dispatch costs host time on every call
 (docs/design.md, "Autograd"). Only torch.compile needs the custom ops.
 
 varlen_states are differentiable too (mamba_ssm refuses a backward with them).
 """
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .core.packing import scan_returns
-from .core.registry import implementation
 from .core.validation import check_forward_args, check_scan_combined_args
 
 _NONE = ()  # custom ops return tensors only: an empty tensor stands for "no gradient"
@@ -32,21 +32,46 @@ def wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
-# --- the backends, called by the custom ops and the eager Functions alike -----------------
+# --- the backends' own functions, which the custom ops and the eager Functions run ----------
+
+@dataclass(frozen=True)
+class BackendOps:
+    """What autograd runs for one backend: functions that check their arguments and run without
+    autograd, each with its public counterpart's arguments and returns."""
+    chunk_forward: Callable            # mamba2_chunk_forward's -> (out, final_state)
+    chunk_backward: Callable           # mamba2_chunk_backward's -> (dx, da, db, dc, dd, ddt, dinit_state)
+    scan_combined: Callable            # mamba_chunk_scan_combined's -> its returns
+    scan_combined_backward: Callable   # mamba2_chunk_scan_combined_backward's -> (dx, ddt, ..., dinitial_states)
+
+
+_BACKENDS: dict[str, BackendOps] = {}
+
+
+def provide(backend: str, ops: BackendOps) -> None:
+    """Called by each backend module at import."""
+    _BACKENDS[backend] = ops
+
+
+def _ops(backend: str) -> BackendOps:
+    try:
+        return _BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)} for a differentiable scan, "
+                         f"got {backend!r}") from None
+
 
 def _run_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend):
-    return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
+    return _ops(backend).chunk_forward(x, a, b, c, d, dt, init_state, chunk_size)
 
 
 def _run_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend):
-    return implementation("mamba2_chunk_backward", backend)(x, a, b, c, d, dt, init_state, dout, dfinal_state,
-                                                            chunk_size)
+    return _ops(backend).chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size)
 
 
 def _run_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
                        dt_low, dt_high, return_varlen_states, backend):
     """-> (out, final_states, varlen_states or an empty tensor)."""
-    result = implementation("mamba2_chunk_scan_combined", backend)(
+    result = _ops(backend).scan_combined(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
         (dt_low, dt_high), True, return_varlen_states)
     return result[0], result[1], result[2] if return_varlen_states else x.new_empty(_NONE)
@@ -54,7 +79,7 @@ def _run_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states
 
 def _run_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias,
                                 initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high, backend):
-    return implementation("mamba2_chunk_scan_combined_backward", backend)(
+    return _ops(backend).scan_combined_backward(
         dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
         cu_seqlens, dt_softplus, (dt_low, dt_high))
 
@@ -222,23 +247,3 @@ def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, init
     out, final_states, varlen = op(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                    dt_softplus, float(dt_limit[0]), float(dt_limit[1]), return_varlen_states, backend)
     return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
-
-
-# --- what the public API and the compositions call ------------------------------------------
-
-def chunk_forward_on(backend, x, a, b, c, d, dt, init_state, chunk_size):
-    """mamba2_chunk_forward on ``backend``: straight to the custom op while torch.compile traces
-    (the registry's lookup is not traceable), else the backend's entry point."""
-    if torch.compiler.is_compiling():
-        return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend)
-    return implementation("mamba2_chunk_forward", backend)(x, a, b, c, d, dt, init_state, chunk_size)
-
-
-def scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                     dt_softplus, dt_limit, return_final_states, return_varlen_states):
-    """mamba_chunk_scan_combined on ``backend``, as chunk_forward_on."""
-    args = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-            return_final_states, return_varlen_states)
-    if torch.compiler.is_compiling():
-        return differentiable_scan_combined(*args, backend)
-    return implementation("mamba2_chunk_scan_combined", backend)(*args)

@@ -258,7 +258,8 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
     """Gradients of mamba_chunk_scan_combined. ``saved``: its checked arguments
     (core/validation.py, ScanCombinedArgs). -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states),
     each in its input's dtype, None for an input that is None."""
-    x, dt_raw, A, B, C, _, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = saved[:12]
+    x, dt_raw, A, B, C, D, z, dt_bias = saved.x, saved.dt, saved.A, saved.B, saved.C, saved.D, saved.z, saved.dt_bias
+    initial_states, seq_idx, cu_seqlens = saved.initial_states, saved.seq_idx, saved.cu_seqlens
     acc = torch.promote_types(x.dtype, torch.float32)
     if cu_seqlens is not None and seq_idx is None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])

@@ -125,6 +125,7 @@ def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     import torch
     from tilegym_mamba2.cutile.forward import run_stages
     from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.core.validation import ScanCombinedArgs
     from tilegym_mamba2.cutile.scan_combined import run_layer
     from tilegym_mamba2.cutile.tuning import choose_config
     tokens, heads, head_size, state_size = 300, 16, 64, 128
@@ -138,8 +139,8 @@ def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     with matmul_precision(precision), recording_launches() as launches:
         for group_scores in (False, True):
             run_stages(x, a, b, b, d, dt, None, 64, replace(base, group_scores=group_scores))
-        run_layer(x, dt, a, b, b, 64, d, z, d, per_sequence, None, cu_seqlens, True, (0.0, float("inf")),
-                  with_varlen_states=True, config=base)
+        run_layer(ScanCombinedArgs(x, dt, a, b, b, 64, d, z, d, per_sequence, None, cu_seqlens, True,
+                                   (0.0, float("inf")), True, True), config=base)
     told = tf32_flags(launches)
     assert set(told) == {"segment_states_kernel", "compute_out_kernel", "group_scores_kernel",
                          "varlen_states_kernel", "sequence_init_kernel"}, told

@@ -6,7 +6,7 @@ the current CUDA stream. The backward runs backward.py's algorithm over the kern
 """
 import torch
 
-from ..autograd import differentiable_chunk_forward, differentiable_scan_combined, wanted
+from ..autograd import BackendOps, differentiable_chunk_forward, differentiable_scan_combined, provide, wanted
 from ..backward import Kernels, chunk_backward, scan_combined_backward
 from ..core.packing import scan_returns
 from ..core.quarantine import quarantine_layer
@@ -25,10 +25,15 @@ KERNELS = Kernels(scan.scan, scan.chunk_grads, reversed_scan=scan.reversed_scan,
 
 
 def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
-    """Mamba-2 chunked forward on our cuTile kernels; see ``tilegym_mamba2.mamba2_chunk_forward``.
-    A repeated call's checks and config come from its plan (plan.py)."""
+    """Mamba-2 chunked forward on our cuTile kernels; see ``tilegym_mamba2.mamba2_chunk_forward``."""
     if wanted(x, a, b, c, d, dt, init_state):
         return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, "cutile")
+    return chunk_forward_kernels(x, a, b, c, d, dt, init_state, chunk_size)
+
+
+def chunk_forward_kernels(x, a, b, c, d, dt, init_state=None, chunk_size=128):
+    """The forward's kernels, without autograd. A repeated call's checks and config come from its
+    plan (plan.py)."""
     if getattr(b, "ndim", 0) == 4 and b.shape[3] > MAX_STATE:
         return split_state_forward(x, a, b, c, d, dt, init_state, chunk_size)
     key = plan.signature("forward", x, a, b, c, d, dt, init_state, chunk_size)
@@ -52,7 +57,7 @@ def split_state_forward(x, a, b, c, d, dt, init_state, chunk_size):
     outs, finals = [], []
     for half, skip in ((slice(None, MAX_STATE), d), (slice(MAX_STATE, None), torch.zeros_like(d))):
         init = None if init_state is None else init_state[..., half]
-        out, final = mamba2_chunk_forward(x, a, b[..., half], c[..., half], skip, dt, init, chunk_size)
+        out, final = chunk_forward_kernels(x, a, b[..., half], c[..., half], skip, dt, init, chunk_size)
         outs.append(out)
         finals.append(final)
     return (outs[0].float() + outs[1].float()).to(x.dtype), torch.cat(finals, -1)
@@ -61,12 +66,20 @@ def split_state_forward(x, a, b, c, d, dt, init_state, chunk_size):
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
                               return_final_states=False, return_varlen_states=False):
-    """See ``tilegym_mamba2.mamba_chunk_scan_combined``. A repeated call's checks and config come
-    from its plan (plan.py), except with packed sequences, whose offsets are checked every call."""
+    """See ``tilegym_mamba2.mamba_chunk_scan_combined``."""
     if wanted(x, dt, A, B, C, D, z, dt_bias, initial_states):
         return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                             cu_seqlens, dt_softplus, dt_limit, return_final_states,
                                             return_varlen_states, "cutile")
+    return scan_combined_kernels(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                 dt_softplus, dt_limit, return_final_states, return_varlen_states)
+
+
+def scan_combined_kernels(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                          seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
+                          return_final_states=False, return_varlen_states=False):
+    """The layer op's kernels, without autograd. A repeated call's checks and config come from its
+    plan (plan.py), except with packed sequences, whose offsets are checked every call."""
     call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
             return_final_states, return_varlen_states)
     key = plan.signature("layer", *call) if seq_idx is None and cu_seqlens is None else None
@@ -77,10 +90,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         args = scan_combined_args(*call)
     with compile_errors_explained():
         if config is None:
-            config = layer_config(*args[:14], with_varlen_states=return_varlen_states)
+            config = layer_config(args)
             plan.remember(key, config)
         if args.seq_idx is None and args.cu_seqlens is None:
-            out, final_states, varlen = run_layer(*args[:14], with_varlen_states=return_varlen_states, config=config)
+            out, final_states, varlen = run_layer(args, config=config)
         else:
             out, final_states, varlen = _quarantined_layer(args, config)
     return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
@@ -90,7 +103,7 @@ def _quarantined_layer(args, config):
     """run_layer on packed sequences (core/quarantine.py): the kernels keep sequences apart by
     zero weights, so a sequence with a non-finite input runs on zeros there and comes out NaN."""
     quarantine, clean = quarantine_layer(args)
-    out, final_states, varlen = run_layer(*clean[:14], with_varlen_states=args.return_varlen_states, config=config)
+    out, final_states, varlen = run_layer(clean, config=config)
     return (quarantine.poison_tokens(out), quarantine.poison_row_lasts(final_states),
             quarantine.poison_sequences(varlen))
 
@@ -99,11 +112,12 @@ def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None
                           state_dtype=torch.float32):
     """See tilegym_mamba2.mamba2_chunk_backward. ``state_dtype`` is accepted for tilegym's call;
     states stay fp32."""
-    args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="cutile")
+    x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = check_backward_args(
+        x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="cutile")
     with compile_errors_explained():
         if b.shape[3] <= MAX_STATE:
-            return chunk_backward(KERNELS, *args[:-1])
-        return _split_state_backward(*args[:-1])
+            return chunk_backward(KERNELS, x, a, b, c, d, dt, init_state, dout, dfinal_state)
+        return _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state)
 
 
 def _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state):
@@ -128,3 +142,7 @@ def mamba_chunk_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, d
         return scan_combined_backward(lambda dtype: KERNELS, dout, dfinal_states, dvarlen_states, x, dt, A, B, C,
                                       chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
                                       dt_limit, backend="cutile")
+
+
+provide("cutile", BackendOps(chunk_forward_kernels, mamba2_chunk_backward, scan_combined_kernels,
+                             mamba_chunk_scan_combined_backward))

@@ -9,7 +9,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..autograd import differentiable_chunk_forward, differentiable_scan_combined, wanted
+from ..autograd import BackendOps, differentiable_chunk_forward, differentiable_scan_combined, provide, wanted
 from ..backward import Kernels, chunk_backward, input_grad, scan_combined_backward
 from ..core.packing import scan_returns
 from ..core.serving_validation import (check_conv_args, check_conv_update_args, check_rms_norm_args,
@@ -28,6 +28,11 @@ def mamba2_chunk_forward_pytorch(x, a, b, c, d, dt, init_state=None, chunk_size=
     final_state [batch, heads, head_size, state_size] fp32, or fp64 for fp64 x)."""
     if wanted(x, a, b, c, d, dt, init_state):
         return differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, "pytorch")
+    return chunk_forward_reference(x, a, b, c, d, dt, init_state, chunk_size)
+
+
+def chunk_forward_reference(x, a, b, c, d, dt, init_state=None, chunk_size=128):
+    """The forward without autograd."""
     x, a, b, c, d, dt, init_state, chunk_size = check_forward_args(
         x, a, b, c, d, dt, init_state, chunk_size, backend="pytorch")
     out, final_state = chunked_forward_reference(x, a, b, c, d, dt, init_state, chunk_size=chunk_size,
@@ -39,8 +44,9 @@ def mamba2_chunk_backward_pytorch(x, a, b, c, d, dt, init_state, dout, dfinal_st
                                   state_dtype=torch.float32):
     """backward.py over the PyTorch scan, in fp32 (fp64 for fp64 inputs). ``state_dtype`` is
     accepted for tilegym's call; states stay fp32."""
-    args = check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="pytorch")
-    return chunk_backward(kernels_for(x.dtype), *args[:-1])
+    x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = check_backward_args(
+        x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="pytorch")
+    return chunk_backward(kernels_for(x.dtype), x, a, b, c, d, dt, init_state, dout, dfinal_state)
 
 
 def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -53,12 +59,21 @@ def mamba_chunk_scan_combined_pytorch(x, dt, A, B, C, chunk_size, D=None, z=None
         return differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                             cu_seqlens, dt_softplus, dt_limit, return_final_states,
                                             return_varlen_states, "pytorch")
+    return scan_combined_reference(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                   dt_softplus, dt_limit, return_final_states, return_varlen_states)
+
+
+def scan_combined_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                            seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
+                            return_final_states=False, return_varlen_states=False):
+    """The layer op without autograd."""
     args = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                                     cu_seqlens, dt_softplus, dt_limit, return_final_states,
                                     return_varlen_states, backend="pytorch")
-    x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = args[:12]
+    x, dt, A, B, C, chunk_size, D, z = args.x, args.dt, args.A, args.B, args.C, args.chunk_size, args.D, args.z
+    initial_states, seq_idx, cu_seqlens = args.initial_states, args.seq_idx, args.cu_seqlens
     dtype = compute_dtype(x)
-    dt = process_dt(dt, dt_bias, args.dt_softplus, args.dt_limit, dtype=dtype)
+    dt = process_dt(dt, args.dt_bias, args.dt_softplus, args.dt_limit, dtype=dtype)
     out, final_states, varlen = scan_reference(x, B, C, dt, A.to(dtype) * dt, initial_states, seq_idx, cu_seqlens,
                                                chunk_size=chunk_size, dtype=dtype)
     if D is not None:
@@ -135,3 +150,6 @@ def rms_norm_pytorch(x, weight, gate=None, eps=1e-6, group_size=None):
     """Hugging Face's Mamba-2 (gated) RMSNorm (reference/serving.py says how)."""
     return rms_norm_reference(check_rms_norm_args(x, weight, gate, eps, group_size, backend="pytorch"))
 
+
+provide("pytorch", BackendOps(chunk_forward_reference, mamba2_chunk_backward_pytorch, scan_combined_reference,
+                              mamba_chunk_scan_combined_backward_pytorch))

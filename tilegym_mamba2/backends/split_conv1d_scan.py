@@ -18,7 +18,7 @@ the projections are torch's. HF transformers' Mamba-2 mixers call it in training
 import torch
 import torch.nn.functional as F
 
-from .. import autograd
+from . import dispatch
 from ..core.serving_validation import CONV_WIDTHS
 from .pytorch import causal_conv1d_fn_pytorch
 
@@ -70,7 +70,7 @@ def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
     z = z.reshape(batch, seqlen, nheads, headdim)
     if scan is None:
         def scan(*args):
-            return autograd.scan_combined_on(backend, *args)
+            return dispatch.scan_combined_on(backend, *args)
     scanned = scan(x, dt, A, B, C, chunk_size, D, z if rmsnorm_weight is None else None, dt_bias, initial_states,
                    seq_idx, None, True, dt_limit, return_final_states, False)
     y, final_states = scanned if return_final_states else (scanned, None)

@@ -55,7 +55,8 @@ def check_state_update_args(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                          f"got shape {tuple(state.shape)}")
     given = {name: tuple(t.shape) for name, t in named.items() if t is not None}
     args = state_update_args(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
-    state, x, dt, A, B, C, D, z, dt_bias = args[:9]
+    state, x, dt, A, B, C = args.state, args.x, args.dt, args.A, args.B, args.C
+    D, z, dt_bias = args.D, args.z, args.dt_bias
 
     def expect(name, t, shape, layout):  # the caller's own shape in the message, not the lifted one
         if tuple(t.shape) != tuple(shape):

@@ -352,7 +352,21 @@ def _check_packing(cu_seqlens, seq_idx, batch, tokens, device) -> int | None:
     return None if cu_seqlens is None else cu_seqlens.numel() - 1
 
 
-def check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, *, backend: str):
+class BackwardArgs(NamedTuple):
+    x: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+    d: torch.Tensor
+    dt: torch.Tensor
+    init_state: torch.Tensor | None
+    dout: torch.Tensor
+    dfinal_state: torch.Tensor | None
+    chunk_size: int
+
+
+def check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, *,
+                        backend: str) -> BackwardArgs:
     """mamba2_chunk_backward's arguments: the forward's, plus dout (x's shape, cast to x's dtype)
     and dfinal_state ([batch, heads, head_size, state_size] or None, cast to fp32)."""
     args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
@@ -368,5 +382,5 @@ def check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk
     _check_device({"x": x, "dout": dout, "dfinal_state": dfinal_state}, backend, head_size, b.shape[3],
                   split_state=True)
     state_dtype = torch.promote_types(x.dtype, torch.float32)
-    return (*args[:-1], dout.to(x.dtype).contiguous(),
-            None if dfinal_state is None else dfinal_state.to(state_dtype).contiguous(), chunk_size)
+    return BackwardArgs(args.x, args.a, args.b, args.c, args.d, args.dt, args.init_state, dout.to(x.dtype).contiguous(),
+                        None if dfinal_state is None else dfinal_state.to(state_dtype).contiguous(), chunk_size)

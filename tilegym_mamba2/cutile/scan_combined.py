@@ -18,22 +18,23 @@ from .varlen_states import varlen_states
 VARLEN_MAX_SEGMENT_CHUNKS = 16
 
 
-def layer_config(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
-                 dt_limit, *, with_varlen_states=False):
-    """The layer op's config for checked arguments: tuned on the layer op itself (config_for)."""
+def layer_config(args):
+    """The layer op's config for checked arguments (core/validation.py, ScanCombinedArgs): tuned
+    on the layer op itself (config_for)."""
     def run_candidate(candidate):
-        run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
-                  dt_limit, with_varlen_states=with_varlen_states, config=candidate)
-    return config_for(x, A, B, C, None, dt, None, chunk_size, run_candidate=run_candidate)
+        run_layer(args, config=candidate)
+    return config_for(args.x, args.A, args.B, args.C, None, args.dt, None, args.chunk_size,
+                      run_candidate=run_candidate)
 
 
-def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
-              dt_limit, *, with_varlen_states=False, config=None):
-    """Runs the stages on checked arguments -> (out, final_states, varlen_states or None)."""
+def run_layer(args, config=None):
+    """Runs the stages on checked arguments (ScanCombinedArgs) -> (out, final_states, varlen_states
+    or None, returned when args.return_varlen_states)."""
+    x, dt, A, B, C, D, z = args.x, args.dt, args.A, args.B, args.C, args.D, args.z
+    seq_idx, cu_seqlens, with_varlen_states = args.seq_idx, args.cu_seqlens, args.return_varlen_states
     batch, tokens = x.shape[:2]
     if config is None:
-        config = layer_config(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                              dt_softplus, dt_limit, with_varlen_states=with_varlen_states)
+        config = layer_config(args)
     chunk = config.chunk_size
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(torch.int32)
@@ -41,9 +42,10 @@ def run_layer(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx
             seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, tokens)
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     # The clamp is applied even at (0, inf), as the definition (reference/layer.py, process_dt) says.
-    dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=dt_bias, softplus=dt_softplus, dt_limit=dt_limit)
-    out, final_states, varlen, _ = scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens,
-                                               config, with_varlen_states=with_varlen_states)
+    dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=args.dt_bias, softplus=args.dt_softplus,
+                                        dt_limit=args.dt_limit)
+    out, final_states, varlen, _ = scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, args.initial_states, seq,
+                                               cu_seqlens, config, with_varlen_states=with_varlen_states)
     if varlen is not None and with_varlen_states:
         varlen = varlen.to(C.dtype)  # mamba_ssm's dtype for them
     return out, final_states, varlen

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from .. import autograd
+from ..backends import dispatch
 from ..core.registry import backend_for
 from ..core.validation import check_scan_combined_args
 from ..reference.layer import process_dt
@@ -186,6 +186,6 @@ def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias
             else torch.where(torch.tensor(rank == 0, device=x.device), initial_states.to(entering.dtype), 0.0)
         init = torch.where(link, entering, own)
         local_seq_idx = seq_idx if rank == 0 or seq_idx is None else seq_idx - seq_idx[:, :1]
-    y = autograd.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, init, local_seq_idx, local_cu,
+    y = dispatch.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, init, local_seq_idx, local_cu,
                                   dt_softplus, dt_limit, False, False)
     return (y, final_states) if return_final_states else y
