@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
+from tilegym_mamba2.testing import relative_error as rel_err
 
 HEADS, HEAD_SIZE, STATE, GROUPS = 8, 64, 128, 2
 DTYPE = torch.bfloat16
@@ -59,12 +60,6 @@ CASES = [
     Case("all_seq_idx_batch2", [[63, 1, 1936, 1000], [2048, 952]], 128, ALL, init="row", final=True,
          pack="seq_idx"),
 ]
-
-
-def rel_err(got, ref):
-    assert not torch.isnan(got).any(), "NaN in result"
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def row_lengths(case, gen):

@@ -12,14 +12,10 @@ from tilegym_mamba2.backward import layer_backward
 from tilegym_mamba2.reference.layer import layer_token_recurrence
 from tilegym_mamba2.reference.ssd import token_recurrence
 from tilegym_mamba2.core.validation import ScanCombinedArgs
+from tilegym_mamba2.testing import relative_error as rel
 
 F64 = torch.float64
 INF = float("inf")
-
-
-def rel(got, ref):
-    assert not torch.isnan(got).any()
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def layer_inputs(seed, batch, tokens, groups=2, heads=4, state=8, head=6, d_per_channel=False, z=True,

@@ -12,8 +12,8 @@ import warnings
 
 import torch
 
-from . import serving_ops
 from .backends import dispatch
+from .cutile.serving import custom_ops
 from .core.registry import backend_for as _backend, implementation, install
 from .testing import Mamba2ProblemSpec
 
@@ -111,8 +111,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     dt = softplus?(dt + dt_bias); state = exp(A dt) state + dt x B^T; out = state C + D x; out *= silu(z).
     Returns out like x, in x's dtype.
     """
-    if torch.compiler.is_compiling():  # traced as one op, the state declared written (serving_ops.py)
-        return serving_ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+    if torch.compiler.is_compiling():  # traced as one op, the state declared written (custom_ops.py)
+        return custom_ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                                                   state_batch_indices, backend or "")
     op = "selective_state_update"
     return implementation(op, _backend(op, backend, x))(
@@ -138,7 +138,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     then the final states if asked.
     """
     if torch.compiler.is_compiling():
-        return serving_ops.causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, return_final_states,
+        return custom_ops.causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, return_final_states,
                                             final_states_out, activation, backend)
     op = "causal_conv1d_fn"
     return implementation(op, _backend(op, backend, x))(
@@ -164,7 +164,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     Returns out like x, in x's dtype.
     """
     if torch.compiler.is_compiling():
-        return serving_ops.causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens,
+        return custom_ops.causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens,
                                                 conv_state_indices, backend or "")
     op = "causal_conv1d_update"
     return implementation(op, _backend(op, backend, x))(
@@ -186,7 +186,7 @@ def rms_norm(x, weight, gate=None, eps=1e-6, group_size=None, *, backend=None):
     and x's dtypes. Not differentiable: a patched model uses it outside autograd only.
     """
     if torch.compiler.is_compiling():
-        return serving_ops.rms_norm(x, weight, gate, eps, group_size, backend or "")
+        return custom_ops.rms_norm(x, weight, gate, eps, group_size, backend or "")
     op = "mamba2_rms_norm"
     return implementation(op, _backend(op, backend, x))(x, weight, gate, eps, group_size)
 

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from .testing import relative_error
+
 
 def _positive_int(flag):
     """An argparse type: a whole number >= 1, or an error naming ``flag``."""
@@ -110,7 +112,7 @@ def main(argv=None):
     if command == "registry":
         return registry()
     if command == "fuzz":
-        from .fuzz import fuzz
+        from .testing.fuzz import fuzz
         return 1 if fuzz(args.seconds, args.seed, cases=args.cases, start=args.start) else 0
 
 
@@ -143,8 +145,8 @@ def run() -> int:
         out, final = tilegym_mamba2.mamba2_chunk_forward(**forward_inputs(inputs))
         torch.cuda.synchronize()
         first = time.perf_counter() - start
-        checks["mamba2_chunk_forward out"] = _rel(out, inputs["out"])
-        checks["mamba2_chunk_forward final_state"] = _rel(final, inputs["final_state"])
+        checks["mamba2_chunk_forward out"] = relative_error(out, inputs["out"])
+        checks["mamba2_chunk_forward final_state"] = relative_error(final, inputs["final_state"])
         from .bench.forward import measure
         ms = measure(lambda: tilegym_mamba2.mamba2_chunk_forward(**forward_inputs(inputs)))
         print(f"mamba2_chunk_forward, {spec}:\n  first call {first:.1f} s (compile included), median {ms:.3f} ms,"
@@ -160,7 +162,7 @@ def run() -> int:
     out, final = tilegym_mamba2.mamba2_chunk_forward(**inputs, backend="pytorch")
     ref_out, ref_final = token_recurrence(*list(inputs.values())[:7])
     checks["mamba2_chunk_forward out"], checks["mamba2_chunk_forward final_state"] = (
-        _rel(out, ref_out), _rel(final, ref_final))
+        relative_error(out, ref_out), relative_error(final, ref_final))
     print(f"No GPU: pytorch backend on {spec.num_tokens} tokens vs the token recurrence: "
           f"out {checks['mamba2_chunk_forward out']:.1e}, final_state {checks['mamba2_chunk_forward final_state']:.1e}")
     checks["mamba_chunk_scan_combined"] = layer_example("cpu")
@@ -200,8 +202,8 @@ def layer_example(device) -> float:
     out, varlen = tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=64)
     definition = {k: v for k, v in args.items() if k not in ("return_varlen_states",)}
     ref_out, _, ref_varlen = layer_token_recurrence(**definition)
-    errors = (_rel(out, ref_out), _rel(varlen, ref_varlen))
-    err = float("nan") if any(e != e for e in errors) else max(errors)  # max() can drop a NaN
+    errors = (relative_error(out, ref_out), relative_error(varlen, ref_varlen))
+    err = max(errors)  # a non-finite output is inf (relative_error)
     backend = "cutile" if device == "cuda" else "pytorch"
     print(f"mamba_chunk_scan_combined ({backend} backend), 3 packed sequences {lengths}, D per channel, "
           f"z, dt_bias, softplus, dt_limit: error vs the float64 definition {err:.1e} (out and varlen states)")
@@ -225,8 +227,8 @@ def gradient_example(device) -> float:
     (out.double() * dout).sum().backward()
     reference = {k: args[k].double().detach().requires_grad_() for k in names}
     (layer_token_recurrence(**{**args, **reference})[0] * dout).sum().backward()
-    errors = [_rel(ours[k].grad, reference[k].grad) for k in names]
-    err = float("nan") if any(e != e for e in errors) else max(errors)
+    errors = [relative_error(ours[k].grad, reference[k].grad) for k in names]
+    err = max(errors)
     backend = "cutile" if device == "cuda" else "pytorch"
     print(f"mamba_chunk_scan_combined backward ({backend} backend), same case: largest gradient error "
           f"vs float64 autograd of the definition {err:.1e} (over d{', d'.join(names)})")
@@ -369,11 +371,6 @@ def registry() -> int:
         print(f"{entry.name}\n  {entry.contract}\n  backends: {entry.backends}\n  fallback: {entry.fallback}"
               f"\n  displaces tilegym's own to: {entry.displaces}")
     return 0
-
-
-def _rel(got, ref):
-    got, ref = got.double().cpu(), ref.double().cpu()
-    return float("nan") if torch.isnan(got).any() else ((got - ref).norm() / ref.norm()).item()
 
 
 if __name__ == "__main__":

@@ -9,13 +9,9 @@ from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch, mamba_
 from tilegym_mamba2.reference.layer import layer_token_recurrence
 from tilegym_mamba2.reference.ssd import token_recurrence
 from tilegym_mamba2.core.validation import check_forward_args, check_scan_combined_args
+from tilegym_mamba2.testing import relative_error as rel_err
 
 F64 = torch.float64
-
-
-def rel_err(got, ref):
-    assert not torch.isnan(got).any(), "NaN in result"
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def forward_args(batch=2, tokens=37, groups=2, heads=4, head_size=8, state=16, chunk=16, seed=0,

@@ -12,6 +12,7 @@ from tilegym_mamba2.bench import serving as bs
 from tilegym_mamba2.bench import serving_ops as so
 from tilegym_mamba2.backends.pytorch import (causal_conv1d_fn_pytorch, causal_conv1d_update_pytorch,
                                               selective_state_update_pytorch)
+from tilegym_mamba2.testing import relative_error as rel
 
 TINY = dict(heads=4, head_size=8, state_size=16, groups=2)
 TINY_MODEL = bs.ModelCase(hidden=32, heads=4, head_dim=16, state_size=16, groups=2, vocab=64, chunk_size=16,
@@ -27,10 +28,6 @@ def wall_timer(fn):
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
-
-
-def rel(got, ref):
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 # ---------------------------------------------------------------------------------------- cases

@@ -5,13 +5,9 @@ import pytest
 import torch
 
 from tilegym_mamba2.reference.layer import chunked_layer_reference, layer_token_recurrence
+from tilegym_mamba2.testing import relative_error as rel_err
 
 HEADS, HEAD_SIZE, GROUPS, STATE = 4, 8, 2, 16
-
-
-def rel_err(got, ref):
-    assert not torch.isnan(got).any()
-    return ((got - ref).norm() / ref.norm()).item()
 
 
 def inputs(batch, tokens, seed):

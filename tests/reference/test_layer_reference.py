@@ -11,18 +11,12 @@ import tilegym_mamba2
 from tilegym_mamba2.core.packing import seq_idx_from_cu_seqlens, sequence_runs
 from tilegym_mamba2.reference.layer import layer_token_recurrence, process_dt
 from tilegym_mamba2.reference.ssd import token_recurrence
+from tilegym_mamba2.testing import relative_error as rel_err
 
 HEADS, HEAD_SIZE, STATE, GROUPS = 4, 8, 16, 2
 TOL_FP32 = 1e-5
 TOL_BF16 = 1e-2
 RETURN_FLAGS = ("return_final_states", "return_varlen_states")
-
-
-def rel_err(got, ref):
-    assert not torch.isnan(got).any(), "NaN in result"
-    assert not torch.isnan(ref).any(), "NaN in reference"
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(batch=1, tokens=100, heads=HEADS, head_size=HEAD_SIZE, state=STATE, groups=GROUPS,

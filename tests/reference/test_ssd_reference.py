@@ -15,12 +15,7 @@ from tilegym_mamba2.reference.ssd import (
     decay_cumsum_reference,
     token_recurrence,
 )
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(y).any(), "NaN in result"
-    y, ref = y.double(), ref.double()
-    return ((y - ref).norm() / ref.norm()).item()
+from tilegym_mamba2.testing import relative_error as rel_err
 
 
 def make_inputs(batch, tokens, groups, heads=4, head_size=8, state_size=16, with_init=True, seed=0):

@@ -13,7 +13,7 @@ mamba_chunk_scan_combined on the chosen backend (the time-consuming part); the c
 torch's depthwise conv1d (with packed sequences, the pytorch backend's causal_conv1d_fn, which
 masks across sequence boundaries), since our convolution kernels have no backward; the norm and
 the projections are torch's. HF transformers' Mamba-2 mixers call it in training mode
-(transformers.py). The registry's targets for both backends are here.
+(integrations/hf/patch.py). The registry's targets for both backends are here.
 """
 import torch
 import torch.nn.functional as F
@@ -90,7 +90,7 @@ def causal_conv1d_differentiable(x, weight, bias=None, seq_idx=None, initial_sta
                                  final_states_out=None, activation=None):
     """causal_conv1d_fn's call (x [batch, dim, seqlen]), differentiable: torch's depthwise conv1d
     where it applies, the pytorch backend's causal_conv1d_fn with packed sequences or states (our
-    cuTile convolution has no backward). Training paths use it (here and transformers.py)."""
+    cuTile convolution has no backward). Training paths use it (here and integrations/hf/patch.py)."""
     if seq_idx is not None or initial_states is not None or return_final_states:
         return causal_conv1d_fn_pytorch(x, weight, bias, seq_idx, initial_states, return_final_states,
                                         final_states_out, activation)

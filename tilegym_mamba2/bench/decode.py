@@ -4,7 +4,7 @@
 A random Mamba2ForCausalLM with the 2.7B model's shape (64 layers, hidden 2560, 80 heads of 64,
 state 128; bf16; nothing downloaded), three ways: HF's torch path (unpatched; the fast path needs
 mamba_ssm and causal_conv1d), patched with apply_tilegym_kernel_to_mamba2 (eager), and patched
-with the decode graphs (tilegym_mamba2.decode_graphs). Per token: the difference of two
+with the decode graphs (integrations/hf/decode_graphs.py). Per token: the difference of two
 generate() calls (new + 1 and 1 new tokens) over ``new``, median of three; the graph's GPU time
 of one step: its replay alone, timed with CUDA events. Prefill: one forward of the prompt.
 
@@ -30,7 +30,7 @@ def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16):
     """-> rows: dict(path, what, batch, ms, tokens_per_s, note)."""
     import transformers
 
-    from ..decode_graphs import disable_decode_graphs, enable_decode_graphs
+    from ..integrations.hf.decode_graphs import disable_decode_graphs, enable_decode_graphs
     from ..transformers import apply_tilegym_kernel_to_mamba2
     torch.manual_seed(0)
     with torch.device(device):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .serving_ops import OP_CASES, _line, _sync, bench_op_case, implementations, rel_err
+from ..testing import relative_error
+from .serving_ops import OP_CASES, _line, _sync, bench_op_case, implementations
 
 MODEL_TOLERANCE = 5e-2  # patched logits against the unpatched model's, both bf16
 
@@ -124,7 +125,7 @@ def bench_model(case: ModelCase = MODEL_CASE, device="cuda", dtype=torch.bfloat1
             logits = forward()
             _sync(device)
             first = time.perf_counter() - start
-            err = rel_err(logits, ref[0]) if ref and ref[0] is not None else None
+            err = relative_error(logits, ref[0]) if ref and ref[0] is not None else None
             row(f"prefill {case.prefill_tokens} tokens", impl, wall_ms(forward, reps, device), err=err,
                 note=f"first call {first:.1f} s")
         except Exception as e:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..testing import relative_error
+
 TOLERANCE = 2e-2        # relative error above which an op's result is flagged ("!") in the table
 
 
@@ -195,13 +197,6 @@ def _fresh(args, inplace):
     return {k: (v.clone() if k == inplace else v) for k, v in args.items()}
 
 
-def rel_err(got, ref):
-    got, ref = got.double(), ref.double()
-    if not torch.isfinite(got).all():
-        return float("nan")
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -246,7 +241,7 @@ def bench_op_case(case: ServingCase, timer, device="cuda", backend="cutile", log
             out = fn(**mine)
             _sync(device)
             first = time.perf_counter() - start
-            errors = [rel_err(out, ref_out)] + ([rel_err(mine[inplace], ref_args[inplace])] if inplace else [])
+            errors = [relative_error(out, ref_out)] + ([relative_error(mine[inplace], ref_args[inplace])] if inplace else [])
             row["rel_err"] = float("nan") if any(e != e for e in errors) else max(errors)
             outs[name] = out
             call = (lambda: fn(**mine))
@@ -261,7 +256,7 @@ def bench_op_case(case: ServingCase, timer, device="cuda", backend="cutile", log
         if emit:
             emit(row)
     if "ours" in outs:  # ours against each peer directly, on the same inputs
-        rows[0]["rel_err_vs"] = {k: rel_err(outs["ours"], v) for k, v in outs.items() if k != "ours"}
+        rows[0]["rel_err_vs"] = {k: relative_error(outs["ours"], v) for k, v in outs.items() if k != "ours"}
         if emit:
             emit(None)
     return rows

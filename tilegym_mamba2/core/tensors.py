@@ -1,5 +1,11 @@
-"""Small tensor helpers shared by the references, the backward and the backends."""
+"""Small tensor helpers and constants shared by the kernels, the references, the backward and the
+backends."""
+import math
+
 import torch
+
+# Decay sums are kept in base 2 (kernels take exp2, a single instruction): exp(v) = exp2(v * LOG2E).
+LOG2E = math.log2(math.e)
 
 
 def compute_dtype(*tensors) -> torch.dtype:

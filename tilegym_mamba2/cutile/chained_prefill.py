@@ -25,11 +25,9 @@ import math
 import cuda.tile as ct
 import torch
 
+from ..core.tensors import LOG2E
 from .launch import current_stream, launch, new_output, tf32_mma
 from .tuning import capturing
-
-LOG2E = math.log2(math.e)
-CHUNK = 128  # the chunk length the chained kernel runs (at 64: 0.062 ms of kernel against 0.049)
 
 
 @ct.kernel(occupancy=2)
@@ -113,9 +111,9 @@ def chained_prefill_kernel(x, b, c, d, dt, a, init_state, out, final_state, publ
                          padding_mode=zero).reshape((chunk_size, state_size))
         c_tile = ct.load(c, (batch, chunk, group, 0), (1, chunk_size, 1, state_size),
                          padding_mode=zero).reshape((chunk_size, state_size))
-        # Ordinary loads, not TMA: through TMA this kernel took 0.046 ms at the prefill instead of
-        # 0.076, but its final state then differed between repeated calls of the same inputs
-        # (cause not found: docs/design.md, "Tried and rejected").
+        # Ordinary loads, not TMA: through TMA this kernel was faster, but its final state then
+        # differed between repeated calls of the same inputs (cause not found: docs/design.md,
+        # "Tried and rejected").
         dt_tile = ct.load(sums, (0, batch, head, chunk), (1, 1, 1, chunk_size), allow_tma=False).reshape(
             (chunk_size,))
         g = ct.load(sums, (1, batch, head, chunk), (1, 1, 1, chunk_size), allow_tma=False).reshape((chunk_size,))

@@ -13,9 +13,9 @@ import math
 import cuda.tile as ct
 import torch
 
+from ..core.tensors import LOG2E
 from .launch import launch, new_output
 
-LOG2E = math.log2(math.e)
 SOFTPLUS_THRESHOLD = 20.0  # above it softplus(x) == x in fp32; mamba_ssm passes such values through
 
 

@@ -4,9 +4,8 @@ dx = dt * dh b + D * dy, x . (dh b) in fp32 (for ddt) and the log decay's gradie
 head, and dc, db summed over a block's heads in fp32. Two kernels, each one block per (batch,
 chunk, a few heads of one group), head by head: the columns kernel takes each token as a sender
 (dx, ddt_input, db, dl's terms of tokens before u), then the rows kernel each token as a
-receiver (dc, dl's terms of tokens from u on, added to dl). One kernel doing both took 0.85 ms
-where the two take 0.52 on the source config, 2.06 against 1.22 on the 2.7B layer, dd's sum
-included.
+receiver (dc, dl's terms of tokens from u on, added to dl). One kernel doing both was slower
+and took all of shared memory (docs/design.md, Decisions).
 
 Summing per-token terms of the forward and backward outputs over the rest of the sequence
 gives the same dl in exact arithmetic, but there receiver and sender terms cancel over
@@ -28,10 +27,9 @@ from .compute_out import NO_SKIP, SKIP_PER_CHANNEL, SKIP_PER_HEAD
 from .launch import launch, new_output, tf32_mma
 
 # Heads whose db or dc one block sums: fewer, fp32 partial sums, and c . b once for them all,
-# against fewer blocks in flight. Measured: 2.7B layer backward 4.97 / 4.62 / 4.50 /
-# 4.44 ms at 1 / 4 / 8 / 16; source config 2.47 ms at 1, 2.22 at 8 (its 8 heads).
-# A runtime argument, not a constant, so that head counts with different blocks share a compile;
-# speed unchanged (backward 2.221 / 4.669 ms, source / 2.7B, against 2.207 / 4.652 before).
+# against fewer blocks in flight: 16 was fastest (docs/design.md, Decisions). A runtime
+# argument, not a constant, so that head counts with different blocks share a compile, at the
+# same speed.
 BLOCK_HEADS = 16
 
 
@@ -90,14 +88,12 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
                                tf32: ct.Constant[bool]):
     """Each token s as a sender: dx, ddt_input, db (summed over the block's heads) and dl's terms
     from s < u (written to dl; the rows kernel adds the receivers' terms); with a skip, dd's sum
-    of dy * x over the chunk's tokens (dy and x are in registers here: a separate torch reduction
-    that read them again made the backward 0.25 / 0.10 ms slower on the source config / 2.7B
-    layer).
+    of dy * x over the chunk's tokens (dy and x are in registers here; a separate torch reduction
+    that read them again was slower: docs/design.md, Decisions).
 
     Its chunk-by-chunk tiles are [s, t], senders along the rows, the transpose of the rows
     kernel's: sums over receivers t become row sums and the dxs and db products take the tiles
-    untransposed. On [t, s] tiles the kernel spilled (376-byte stack frame) and took 0.46 ms
-    against 0.32 on the source config, 1.08 against 0.77 on the 2.7B layer."""
+    untransposed. On [t, s] tiles the kernel spilled (docs/design.md, Decisions)."""
     batch_block, chunk = ct.bid(0), ct.bid(1)
     heads = x.shape[2]
     blocks = heads // block_heads
@@ -141,7 +137,7 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
             products = ct.mma(x_op, ct.transpose(dy_low_op), products)
         if skip_mode == SKIP_PER_HEAD:
             # dd of a head: the trace of x_s . dy_t, row sums in the warps (a sum over the chunk's
-            # tokens of x * dy runs across them; the trace: 0.376 -> 0.332 ms, source config).
+            # tokens of x * dy runs across them and was slower: docs/design.md, Decisions).
             diagonal = ct.where(token[:, None] == token[None, :], products, 0.0)
             ct.store(dd, (batch, chunk, head), ct.sum(ct.sum(diagonal, axis=1), axis=0, keepdims=True).reshape(
                 (1, 1, 1)))
@@ -149,9 +145,8 @@ def chunk_grads_columns_kernel(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_
         from_end = ct.where(going_on, ct.exp2(g_end - g), 0.0)
         # dl from pairs s < u <= t: the rows kernel's sum over t >= u of what t receives, less the
         # sum over s >= u of what s sends (the pairs with s >= u cancel, within one chunk in fp32).
-        # The direct sum, a cumsum along the rows, made the rows kernel 0.19 -> 0.63 ms on the
-        # source config for a dl error below bf16's (float64 emulation:
-        # per chunk ~1e-6 of dA against ~1e-7).
+        # The direct sum, a cumsum along the rows, made the rows kernel three times slower for a
+        # dl error already below bf16's (docs/design.md, Decisions).
         pairs = decayed_products * dt_tile[:, None] * scores
         sent_pairs = ct.sum(pairs, axis=1)
 

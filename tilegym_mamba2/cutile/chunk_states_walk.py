@@ -8,7 +8,7 @@ stores each entry state once: 2.0-2.4x faster than the state pass on the source 
 2.7B layer (docs/design.md, "Decisions"). The update is state * exp2(chunk decay) + mma(weighted
 b, x, 0), the state pass's own sum in its own order, so the entry states are the state pass's
 bits, stored rounded to x's dtype: chunk_grads rounds them to it for its mma anyway, and 16-bit
-states halve the backward's largest tensors (a step's GPU time 2.379 -> 1.940 ms, 2.7B layer).
+states halve the backward's largest tensors (docs/design.md, Decisions).
 
 ``reverse`` walks from the last chunk to the first on the arrays as they are: the backward's
 scan of dh (backward.py) without flipping dy, b and c along the tokens. Backwards, token t of a
@@ -27,8 +27,7 @@ import torch
 from .launch import launch, new_output, tf32_mma
 
 # Below this many blocks, half-width head tiles: the walk is serial in the chunks, so more blocks
-# is the only parallelism (source config: 64 blocks at 64 x 64, 0.231 ms; 128 at 64 x 32,
-# 0.187 ms; the 2.7B layer, 320 blocks at 64 x 64, 0.381 ms; 640 at 64 x 32, 0.407 ms).
+# is the only parallelism; above it, full-width tiles win (docs/design.md, Decisions: walk tiles).
 FEW_BLOCKS = 264  # two per SM of an H200
 
 
@@ -61,8 +60,8 @@ def chunk_states_walk_kernel(x, b, dt_bht, decay_cumsum, init_state, seq_idx, en
     # of the walk: the token the state arrives from in this one (carried, not loaded: see below).
     carried_seq = ct.zeros((1,), dtype=ct.int32)
     # The loop's loads with a latency hint: nothing in them waits for the state, and at 6 the walks
-    # are 4-17% faster with the same bits (reverse walk 0.214 -> 0.178 ms on the source config;
-    # prefetching the next chunk's tiles by hand doubled the live tiles, 1.4-2.4x slower).
+    # are 4-17% faster with the same bits; prefetching the next chunk's tiles by hand doubled the
+    # live tiles and was slower (docs/design.md).
     for step in range(num_chunks):
         chunk = num_chunks - 1 - step if reverse else step
         ct.store(entry_states, (batch, head, step * state_tiles + n_tile, p_tile),
@@ -152,7 +151,6 @@ def chunk_states_walk(x, b, dt_bht, decay_cumsum, init_state, chunk_size, *, rev
 
 
 # Above FEW_BLOCKS the walk at occupancy 2 runs in two waves (the 2.7B layer: 320 blocks, 264 at a
-# time); at 4 they all fit (0.367 / 0.355 -> 0.313 / 0.316 ms forward /
-# reverse, the same bits; at occupancy 3, 0.338 / 0.332; at 4 on the source config's 128 blocks,
-# 0.194 / 0.189 against 0.193 / 0.181, so fewer blocks keep 2).
+# time); at 4 they all fit, the same bits, faster; with fewer blocks occupancy 4 gains nothing, so
+# they keep 2 (docs/design.md, Decisions).
 crowded_walk_kernel = chunk_states_walk_kernel.replace_hints(occupancy=4)

@@ -7,8 +7,8 @@ decay and the causal mask stay in registers; because the block carries the state
 chunk to the next, only one entry state per segment is read from memory.
 
 Unlike the state pass, this kernel carries the state untransposed, [head_size, state_size], and
-reads B as stored: measured 2.2-2.9x faster on H200 than carrying the transposed state with B
-loaded transposed (0.128 against 0.287 ms on the source config). The entry state, stored
+reads B as stored: 2.2-2.9x faster on the H200 than carrying the transposed state with B
+loaded transposed (docs/design.md, Decisions). The entry state, stored
 transposed by the state pass, is transposed once per segment by its load.
 
 With ``config.group_scores`` the C·B^T tiles come from group_scores.py, computed once per

@@ -24,7 +24,7 @@ Segments are stacked along one axis with the state's rows, [batch, heads, segmen
 state_size, head_size], and segment_decay is padded to a multiple of 16 segments: cuTile
 compiles a kernel once per pattern of array dimensions that are 1 or divisible by 16, so with a
 segment axis of its own every segment length the tuner tries would compile the three state
-kernels and compute_out again (stacked: 7 -> 4 compiles, cold first call 6.75 -> 3.65 s).
+kernels and compute_out again (docs/design.md, Decisions: stacking nearly halved a cold first call).
 """
 import cuda.tile as ct
 import torch
@@ -80,7 +80,7 @@ def segment_states_kernel(x, b, dt_bht, decay_cumsum, seq_idx, local_states, seg
 
 # Tiles over 4096 elements hold twice the accumulator: at occupancy 4 they spill and run 1.8x
 # (128 x 64) to 9x (256 x 64) slower; at 2 they beat 64 x 64 tiles at 4 where the state is 64 or
-# 256 wide (tuning.py; at N = 256, 256 x 64 tiles at occupancy 2: 0.260 -> 0.208 ms).
+# 256 wide (tuning.py; docs/design.md, Decisions).
 wide_segment_states_kernel = segment_states_kernel.replace_hints(occupancy=2)
 
 

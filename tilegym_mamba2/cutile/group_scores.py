@@ -3,7 +3,7 @@
 The [chunk, chunk] score tile depends only on the group's B and C, not on the head: every head
 of a group and every head tile of compute_out would otherwise recompute it. Kept in fp32, so
 compute_out's result is the same as when it multiplies C·B^T itself. Worth its extra write and
-reads when enough blocks share a tile (``choose_config``; N = 256 whole op 0.900 -> 0.820 ms).
+reads when enough blocks share a tile (``choose_config``; docs/design.md, Decisions).
 """
 import cuda.tile as ct
 import torch

@@ -50,7 +50,7 @@ def tf32_mma(dtype) -> bool:
     """Whether our kernels' mma take fp32 operands as tf32: for fp32 inputs when PyTorch's float32
     matmul precision allows it (torch.set_float32_matmul_precision("high" or "medium"), the switch
     its own matmuls follow). At "highest", the default, fp32 operands stay fp32 (FMA, no tensor
-    cores; tf32 takes the source config's fp32 forward + backward from 89.2 to 6.78 ms)."""
+    cores, tens of times slower: docs/performance.md, fp32 inputs)."""
     return dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
 
 

@@ -38,8 +38,8 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     if not outputs:
         # Chunk states only: per-sequence initial states stay out of them, as in scan_stages.
         row_init = None if init is not None and cu is not None and init.shape[0] != batch else init
-        # The walk: the state pass's bits, 2.0-2.4x faster, packed sequences included (a packed
-        # forward + backward 2.280 -> 1.147 ms on the source config).
+        # The walk: the state pass's bits, 2.0-2.4x faster, packed sequences included
+        # (docs/design.md, Decisions).
         entry_states, final_states = chunk_states_walk(x, b, weight_bht, decay_cumsum, row_init, chunk, seq_idx=seq)
         return None, final_states, None, (entry_states, decay_cumsum, weight_bht)
     y, final_states, varlen, entry_states = scan_stages(x, b, c, None, None, weight_bht, decay_cumsum, init, seq, cu,

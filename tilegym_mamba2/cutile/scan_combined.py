@@ -61,8 +61,7 @@ def scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seq
                          and initial_states.shape[0] != batch)
     if with_varlen_states or per_sequence_init:
         # Each varlen state walks up to a segment of chunks: shorter segments than the plain op's
-        # tuned ones pay here (64 packed sequences, 65536 tokens: 1.41 ms at 32 chunks, 1.30 at 16;
-        # the layer op's whole call, varlen states included).
+        # tuned ones pay here (docs/design.md, Decisions: varlen segments).
         config = replace(config, chunks_per_segment=min(config.chunks_per_segment, VARLEN_MAX_SEGMENT_CHUNKS))
     chunk = config.chunk_size
     row_init = None if per_sequence_init else initial_states

@@ -9,8 +9,8 @@ import torch
 
 from .config_store import read_entries, write_entry
 
-# Measured on H200: 64-token chunks run compute_out 2x faster than 128 (0.148 against 0.313 ms on
-# the source config; the [chunk, chunk] score tile fits in registers). The math is the same at any
+# 64-token chunks run compute_out 2x faster than 128 on the H200 (the [chunk, chunk] score tile
+# fits in registers; docs/design.md, Decisions). The math is the same at any
 # length, so every requested chunk_size runs the one chunk length the GPU tests cover.
 KERNEL_CHUNK = 64
 SEGMENT_CHUNKS = 16
@@ -60,12 +60,12 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
         state_tile, state_head_tile = 64, min(head_size, 64)
     else:
         state_tile, state_head_tile = state_size, min(head_size, max(64, 8192 // state_size))
-    # compute_out's loads hinted at the lowest DRAM latency (kernel 0.147 -> 0.112 ms): whole op
-    # -10% to -15% at N=128, P=64; none at N=64, P=128; kernel alone +6% at N=256, where the
+    # compute_out's loads hinted at the lowest DRAM latency: whole op -10% to -15% at N=128,
+    # P=64; none at N=64, P=128; kernel alone +6% at N=256, where the
     # compiler's own choice stays. The same hint on the state pass's loads: -1% to +3%.
     out_load_latency = 1 if state_size <= 128 else 0
     # With 64 x 256 B and C tiles, compute_out at two blocks per SM spills: one block per SM ran
-    # the whole op 2.4x faster at N=256 (1.73 -> 0.71 ms); at N=128 and N=64 it was 16-36% slower
+    # the whole op 2.4x faster at N=256; at N=128 and N=64 it was 16-36% slower
     # (at one block per SM the N=256 kernel has no spills: 254 registers, 148 KB of shared memory).
     out_occupancy = 1 if state_size > 128 else 2
     return Config(chunk_size=kernel_chunk, chunks_per_segment=chunks_per_segment,
@@ -207,10 +207,9 @@ def candidates(base: Config, whole_row: int | None = None, chained: bool = False
 
 # The one-launch path is offered for short rows of 16-bit inputs with states of up to 128 columns:
 # the host-bound calls it is for, at the tile sizes its GPU tests cover. Its segment lengths (in
-# 128-token chunks): 4 timed fastest on the prefill (0.049 ms of GPU against 0.066 at 2), 2
-# leaves more blocks to wider batches.
+# 128-token chunks): 4 timed fastest on the prefill, 2 leaves more blocks to wider batches.
 CHAINED_SEGMENTS = (2, 4)
-CHAINED_CHUNK = 128
+CHAINED_CHUNK = 128  # the chained kernel's chunk: at 64 it ran slower (docs/design.md, Decisions)
 
 
 def chained_fits(tokens, state_size, dtype) -> bool:
@@ -225,8 +224,7 @@ def chained_config(base: Config, chunks_per_segment: int) -> Config:
 
 # Rows this short are offered whole even where their blocks leave SMs idle: such a call is
 # host-bound, and two launches instead of four cost less host time than the longer walk costs the
-# GPU on some hosts and not on others, so the tuner's timing decides (the 2048-token prefill on
-# the H200: 0.105 -> 0.077 ms in `bench`, kernels 0.035 -> 0.067 ms).
+# GPU on some hosts and not on others, so the tuner's timing decides (docs/design.md, Decisions).
 SHORT_ROW_TOKENS = 4096
 
 
@@ -244,8 +242,7 @@ def whole_row_chunks(batch, tokens, heads, head_size, config: Config, device=Non
 
 # Candidates are timed in alternating rounds, each by its median: a host-bound call's time drifts by
 # 30% within seconds on a shared host, and in one pass the first candidates met the warm-up's
-# drift (the prefill's whole rows measured 0.138 ms in the tuner, 0.105 ms just after, the
-# chosen 4-chunk segments 0.132 and 0.177).
+# drift and the slower candidate won.
 MEASURE_ROUNDS = 3
 
 

@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core.tensors import expand_groups
+from ..core.tensors import LOG2E, expand_groups
 
 __all__ = [
     "LOG2E",
@@ -44,9 +44,6 @@ __all__ = [
     "chunked_forward_reference",
 ]
 
-# Kernels use exp2 (cheaper than exp on GPUs), so log-decays are stored in
-# base 2: exp2(LOG2E * s) == exp(s).
-LOG2E = math.log2(math.e)
 
 
 def chunked(t: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:

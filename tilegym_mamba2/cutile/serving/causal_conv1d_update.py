@@ -20,8 +20,7 @@ from ..launch import launch, new_output
 
 
 # Occupancy 8 and 128-channel blocks: a block's work is a few dependent
-# loads, so what counts is how many are in flight. 2.7B mixer, batch 1 / 64 / 256: 3.2 / 12.2 /
-# 41.2 us against 4.5 / 34.0 / 136 at the default occupancy and 256 channels.
+# loads, so what counts is how many are in flight (docs/design.md, Decisions).
 @ct.kernel(occupancy=8)
 def causal_conv1d_update_kernel(x, conv_state, weight, bias, cache_seqlens, indices, out,
                                 width: ct.Constant[int], token_tile: ct.Constant[int], dim_tile: ct.Constant[int],

@@ -11,11 +11,9 @@ weight's and x's. In torch the two norms are 8 and 11 kernels over fp32 copies o
 
 Each block normalises ``rows_tile`` rows. A row of up to 4096 values is one tile, read once; a
 wider one is walked in 1024-wide tiles twice, once for the sum of squares and once to scale and
-store (the second read hits L2), so registers stay bounded at any width. H200, bf16, µs in graph
-replay (the choices below; torch's modules in brackets): the 2.7B mixer's gated 5120-wide norm
-6.9 / 7.4 / 41.0 at 1 / 64 / 2048 rows (17.4 / 31.9 / 244), the block's 2560-wide one 2.2 / 2.4 /
-9.2 (12.2 / 18.9 / 70.5). One 4096-wide tile took the gated norm 14.3 / 15.2 / 220 µs, an
-8192-wide single pass 9.0 at one row. mamba_ssm's Triton gated norm takes 3.1 / 3.3 / 24.0.
+store (the second read hits L2), so registers stay bounded at any width. The tile sizes,
+occupancy and rows per block were chosen by timing (docs/design.md, Decisions; figures beside
+torch's modules and mamba_ssm's in docs/performance.md).
 """
 import cuda.tile as ct
 
@@ -28,7 +26,7 @@ WALK_TILE = 1024  # the tile of a wider row's two walks
 MANY_ROWS = 512  # from here several rows share a block
 
 
-@ct.kernel(occupancy=4)  # gated 5120 at 2048 rows: 41.0 µs against 108 at the default
+@ct.kernel(occupancy=4)  # over twice as fast as the default on many rows (docs/design.md)
 def rms_norm_kernel(x, gate, weight, out, eps: ct.Constant[float], rows_tile: ct.Constant[int],
                     width_tile: ct.Constant[int], width_tiles: ct.Constant[int], gated: ct.Constant[bool],
                     grouped: ct.Constant[bool]):
@@ -95,7 +93,7 @@ def launch_plan(args, width_tile=None, rows_tile=None):
     if width_tile is None:
         width_tile = _pow2(width) if _pow2(width) <= SINGLE_TILE_MAX else WALK_TILE
     if rows_tile is None:
-        # Many short blocks: 2048 rows of 2560 took 24.4 µs one row a block, 9.2 four.
+        # Short rows: several a block, or the blocks are too short to hide their latency.
         rows_tile = 1 if rows < MANY_ROWS or width_tile == WALK_TILE else max(1, min(16, 16384 // width_tile))
     return (-(-rows // rows_tile), 1, 1), (float(args.eps), rows_tile, width_tile, -(-width // width_tile),
                                            args.gate is not None, args.weight.shape[0] > 1)

@@ -25,7 +25,7 @@ PER_HEAD, PER_CHANNEL, PER_ELEMENT = 0, 1, 2
 
 
 # Eight blocks per SM: a block's loads are one dependent chain (state, then the update, then the
-# store), so the bandwidth comes from many blocks in flight (batch 256: 973 -> 379 us).
+# store), so the bandwidth comes from many blocks in flight (docs/design.md, Decisions).
 @ct.kernel(occupancy=8)
 def selective_state_update_kernel(state, x, dt, dt_bias, A, B, C, D, z, indices, out,
                                   head_tile: ct.Constant[int], state_tile: ct.Constant[int],
@@ -173,9 +173,9 @@ def run_state_update(args, settled=None):
 
 
 # A step of a few microseconds is mostly launch latency: launched as a programmatic dependent, its
-# blocks are scheduled while the kernel ahead drains. CUDA-graph replay of the 2.7B mixer's step
-# (320 blocks per batch row): batch 1 / 8 3.91 -> 3.58 / 16.93 -> 14.88 us, batch 64 unchanged,
-# batch 256 385 -> 395 us; hence only grids up to this many blocks.
+# blocks are scheduled while the kernel ahead drains. In CUDA-graph replay of the 2.7B mixer's
+# step it helped small batches and cost the largest grids a few percent (docs/design.md,
+# Decisions); hence only grids up to this many blocks.
 DEPENDENT_LAUNCH_MAX_BLOCKS = 8192
 
 

@@ -13,7 +13,7 @@ modeling = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2, revert_tilegym_kernel_to_mamba2  # noqa: E402
 
 # unpatched_classes: autouse, every test starts and ends with the classes as shipped.
-from test_transformers import greedy, logits, prompt, tiny_mamba2, unpatched_classes  # noqa: E402, F401
+from hf_models import greedy, logits, prompt, tiny_mamba2  # noqa: E402 (pytest puts this folder on sys.path)
 
 
 @pytest.fixture

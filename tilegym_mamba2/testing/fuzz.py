@@ -25,14 +25,9 @@ import traceback
 
 import torch
 
+from .errors import relative_error
+
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-3}
-
-
-def _rel(got, want):
-    got, want = got.double(), want.double()
-    if not torch.isfinite(got).all():
-        return float("inf")
-    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
 def _layer_case(rng, device, packed=False):
@@ -76,8 +71,8 @@ def _layer_case(rng, device, packed=False):
 
 def check_layer(rng, backend, device):
     import tilegym_mamba2
-    from .cutile.launch import poisoned_outputs
-    from .reference.layer import layer_token_recurrence
+    from ..cutile.launch import poisoned_outputs
+    from ..reference.layer import layer_token_recurrence
     kw, dtype = _layer_case(rng, device)
     with poisoned_outputs():
         got = tilegym_mamba2.mamba_chunk_scan_combined(**kw, backend=backend)
@@ -87,7 +82,7 @@ def check_layer(rng, backend, device):
                                  dt_softplus=kw["dt_softplus"], dt_limit=kw.get("dt_limit", (0.0, float("inf"))))
     wanted = [ref[0]] + ([ref[1]] if kw["return_final_states"] else []) + \
              ([ref[2]] if kw.get("return_varlen_states") else [])
-    errors = [_rel(a, b) for a, b in zip(got, wanted)]
+    errors = [relative_error(a, b) for a, b in zip(got, wanted)]
     return max(errors) <= TOLERANCE[dtype], f"errors {['%.2e' % e for e in errors]} (tolerance {TOLERANCE[dtype]})"
 
 
@@ -140,7 +135,7 @@ def check_isolation(rng, backend, device):
                                                           for n in names if n != "initial_states"]
         if per_sequence:
             pairs.append((grads["initial_states"][s], clean["initial_states"][s]))
-        errors += [_rel(got, want) if want.abs().sum() > 0 else float(not torch.isfinite(got).all())
+        errors += [relative_error(got, want) if want.abs().sum() > 0 else float(not torch.isfinite(got).all())
                    for got, want in pairs]
     worst = max(errors, default=0.0)
     return worst <= TOLERANCE[dtype], f"NaN in {where} of sequence {hit}: worst error elsewhere {worst:.2e}"
@@ -205,7 +200,7 @@ def check_serving(rng, backend, device):
     ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
     want = fn(**ref_kw, backend="pytorch")
     got = fn(**kw, backend=backend)
-    errors = [_rel(got, want)] + [_rel(kw[b], ref_kw[b]) for b in buffers]
+    errors = [relative_error(got, want)] + [relative_error(kw[b], ref_kw[b]) for b in buffers]
     dtype = kw["x"].dtype
     return max(errors) <= TOLERANCE[dtype], f"{op}: errors {['%.2e' % e for e in errors]}"
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .core.tensors import expand_groups
-from .reference.ssd import (
+from .errors import relative_error
+from ..core.tensors import expand_groups
+from ..reference.ssd import (
     LOG2E,
     chunk_output_reference,
     chunk_states_reference,

@@ -9,12 +9,7 @@ from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch
 from tilegym_mamba2.reference.ssd import LOG2E, chunked_forward_reference, decay_cumsum_reference, token_recurrence
 from tilegym_mamba2.testing import (COTANGENTS, FORWARD_ARGS, FORWARD_REFERENCES, GRADIENT_REFERENCES,
                                     Mamba2ProblemSpec, forward_inputs)
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(y).any(), "NaN in result"
-    y, ref = y.double(), ref.double()
-    return ((y - ref).norm() / ref.norm()).item()
+from tilegym_mamba2.testing import relative_error as rel_err
 
 
 def small_spec(**overrides) -> Mamba2ProblemSpec:

@@ -7,7 +7,7 @@ a layer. ``rms_norm`` computes what those forwards compute, the rounding to the 
 before the weight included, so a patched model's activations stay HF's own (bit for bit on the
 pytorch backend).
 
-The norms are patched the way transformers.py patches the mixers: on the classes (model None)
+The norms are patched the way patch.py patches the mixers: on the classes (model None)
 or on one model's modules. A call that autograd would record keeps the module's own forward
 (``rms_norm`` has no backward).
 """

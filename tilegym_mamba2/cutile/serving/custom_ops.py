@@ -16,7 +16,7 @@ checks the arguments, so bad arguments raise under torch.compile too.
 import torch
 from torch import Tensor
 
-from .core.registry import backend_for, implementation
+from ...core.registry import backend_for, implementation
 
 
 def _backend(op, backend, x):

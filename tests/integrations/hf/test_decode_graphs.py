@@ -1,21 +1,21 @@
 """Serving at GPU speed: the serving ops as torch.library custom ops (torch.compile traces them
 whole, in-place states declared), and a patched HF model decoding through CUDA graphs
-(tilegym_mamba2.decode_graphs): greedy tokens equal to the eager patched model's, left padding
+(integrations/hf/decode_graphs.py): greedy tokens equal to the eager patched model's, left padding
 included. On the CPU the static-cache step runs without capture; the graphs on the GPU."""
 import pytest
 import torch
 from torch.library import opcheck
 
 import tilegym_mamba2
-from tilegym_mamba2 import serving_ops
+from tilegym_mamba2.cutile.serving import custom_ops as serving_ops
 
 transformers = pytest.importorskip("transformers")
 
-from tilegym_mamba2.decode_graphs import (  # noqa: E402
+from tilegym_mamba2.integrations.hf.decode_graphs import (  # noqa: E402
     DecodeGraphs, _get, _slots, disable_decode_graphs, enable_decode_graphs)
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
-from test_transformers import greedy, only_5_17, prompt, tiny_mamba2  # noqa: E402 (pytest puts tests/ on sys.path)
+from hf_models import greedy, only_5_17, prompt, tiny_mamba2  # noqa: E402 (pytest puts this folder on sys.path)
 
 
 def _decode_inputs(device="cpu"):

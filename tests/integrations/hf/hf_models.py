@@ -1,0 +1,51 @@
+"""Tiny random Hugging Face Mamba-2 models and what the tests do with them (nothing is
+downloaded), shared by the tests of integrations/hf/."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
+
+OURS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined")
+
+# Which of transformers' two mixer structures is installed (read here, not from the module under
+# test): 5.3's mixer has torch_forward and cuda_kernels_forward; 5.17's (from 5.15 on) has one
+# forward that calls module functions with a torch fallback.
+STRUCTURE_5_3 = hasattr(Mamba2Mixer, "cuda_kernels_forward")
+# The module-level name the mixer calls for each of our functions.
+MODULE_NAMES = dict(zip(OURS, OURS if STRUCTURE_5_3 else (
+    "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")))
+only_5_17 = pytest.mark.skipif(STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.3's mixer")
+only_5_3 = pytest.mark.skipif(not STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.17's mixer")
+
+VOCAB = 128
+NEW_TOKENS = 12
+
+
+def tiny_config(**overrides):
+    kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, expand=2,
+              state_size=16, n_groups=2, chunk_size=16, conv_kernel=4, pad_token_id=0, eos_token_id=1,
+              bos_token_id=1)
+    kw.update(overrides)
+    return transformers.Mamba2Config(**kw)
+
+
+def tiny_mamba2(dtype=torch.float32, device="cpu", seed=0, **overrides):
+    torch.manual_seed(seed)
+    return transformers.Mamba2ForCausalLM(tiny_config(**overrides)).to(device=device, dtype=dtype).eval()
+
+
+def prompt(batch=2, tokens=37, device="cpu", seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (batch, tokens), generator=gen).to(device)
+
+
+def greedy(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **kw)
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits

@@ -1,0 +1,1 @@
+"""Integrations with other libraries' models: hf/ for Hugging Face transformers."""
