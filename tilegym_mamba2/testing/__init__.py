@@ -23,7 +23,7 @@ from ..reference.ssd import (
     decay_cumsum_reference,
 )
 
-__all__ = ["COTANGENTS", "FORWARD_ARGS", "FORWARD_REFERENCES", "GRADIENT_REFERENCES", "Mamba2ProblemSpec",
+__all__ = ["COTANGENTS", "FORWARD_ARGS", "FORWARD_REFERENCES", "GRADIENT_REFERENCES", "Mamba2ProblemSpec", "relative_error",
            "forward_inputs"]
 
 # The keyword arguments of the forward op, in signature order.

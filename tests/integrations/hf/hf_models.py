@@ -49,3 +49,21 @@ def greedy(model, ids, **kw):
 def logits(model, ids, **kw):
     with torch.no_grad():
         return model(ids, **kw).logits
+
+
+def expected_calls(layers, prompts=1, decode_steps=NEW_TOKENS - 1):
+    return {"causal_conv1d_fn": layers * prompts, "mamba_chunk_scan_combined": layers * prompts,
+            "causal_conv1d_update": layers * decode_steps, "selective_state_update": layers * decode_steps}
+
+
+def cache_tensors(cache):
+    """The tensors a Mamba2 model's cache keeps, in a fixed order: 5.3's Mamba2Cache holds all
+    layers in two tensors; a DynamicCache (5.17) a conv and a recurrent state per layer."""
+    if hasattr(cache, "ssm_states"):
+        return [cache.conv_states, cache.ssm_states]
+    return [state for layer in cache.layers for state in (layer.conv_states[0], layer.recurrent_states[0])]
+
+
+def assert_logits_close(ours, ref, tol=1e-4):
+    err = (ours.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), f"max |ours - torch path| = {err}"

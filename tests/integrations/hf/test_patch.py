@@ -4,7 +4,6 @@ installed). Small random models built from configs; nothing is downloaded."""
 import copy
 import importlib.util
 import inspect
-import types
 
 import pytest
 import torch
@@ -20,44 +19,8 @@ from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
 
 from hf_models import (  # noqa: E402  (pytest puts this folder on sys.path)
-    MODULE_NAMES, NEW_TOKENS, OURS, STRUCTURE_5_3, VOCAB, greedy, logits, only_5_3, only_5_17, prompt, tiny_config,
-    tiny_mamba2)
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts calls of our four functions (and the backend each was asked for)."""
-    counts = {name: 0 for name in OURS}
-    backends = set()
-    real_functions = {name: getattr(tilegym_mamba2, name) for name in OURS}
-    for name in OURS:
-        real = real_functions[name]
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            counts[_name] += 1
-            backends.add(kwargs.get("backend"))
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(tilegym_mamba2, name, spy)
-    yield types.SimpleNamespace(counts=counts, backends=backends, real=real_functions)
-
-
-def expected_calls(layers, prompts=1, decode_steps=NEW_TOKENS - 1):
-    return {"causal_conv1d_fn": layers * prompts, "mamba_chunk_scan_combined": layers * prompts,
-            "causal_conv1d_update": layers * decode_steps, "selective_state_update": layers * decode_steps}
-
-
-def cache_tensors(cache):
-    """The tensors a Mamba2 model's cache keeps, in a fixed order: 5.3's Mamba2Cache holds all
-    layers in two tensors; a DynamicCache (5.17) a conv and a recurrent state per layer."""
-    if hasattr(cache, "ssm_states"):
-        return [cache.conv_states, cache.ssm_states]
-    return [state for layer in cache.layers for state in (layer.conv_states[0], layer.recurrent_states[0])]
-
-
-def assert_logits_close(ours, ref, tol=1e-4):
-    err = (ours.float() - ref.float()).abs().max().item()
-    assert err <= tol * max(1.0, ref.abs().max().item()), f"max |ours - torch path| = {err}"
+    MODULE_NAMES, NEW_TOKENS, OURS, STRUCTURE_5_3, assert_logits_close, cache_tensors, expected_calls, greedy, logits,
+    only_5_3, only_5_17, prompt, tiny_mamba2)
 
 
 def test_unpatched_model_takes_the_torch_path(monkeypatch):
@@ -392,106 +355,6 @@ def test_changed_forward_signature_is_refused(monkeypatch):
 # every layer) only under 5.17's structure: by default (no mixer RMSNorm) the gate goes into the
 # decode kernel; with the RMSNorm, batch 1, since 5.17's FalconH1RMSNormGated turns a decode step
 # of batch b into [b, b, hidden] (in transformers' own path as well).
-HYBRIDS = {
-    "bamba": lambda: transformers.BambaConfig(
-        num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
-        mamba_d_state=16, mamba_chunk_size=16, **HYBRID_COMMON),
-    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
-        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
-        num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
-        mamba_d_state=16, mamba_chunk_size=16, **HYBRID_COMMON),
-    "nemotron_h": lambda: transformers.NemotronHConfig(
-        num_hidden_layers=3, layers_block_type=["mamba", "attention", "mamba"], head_dim=16, ssm_state_size=16,
-        mamba_num_heads=4, mamba_n_groups=2, mamba_head_dim=16, mamba_chunk_size=16, **HYBRID_COMMON),
-    "zamba2": lambda: transformers.Zamba2Config(
-        num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
-        mamba_ngroups=2, chunk_size=16, num_mem_blocks=1, adapter_rank=8, use_mem_rope=True, **HYBRID_COMMON),
-}
-FALCON_H1 = lambda **kw: transformers.FalconH1Config(  # noqa: E731
-    num_hidden_layers=2, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
-    mamba_chunk_size=16, **kw, **HYBRID_COMMON)
-HYBRIDS_5_17 = {"falcon_h1": lambda: FALCON_H1(), "falcon_h1-rmsnorm": lambda: FALCON_H1(mamba_rms_norm=True)}
-PROMPT_BATCH = {"falcon_h1-rmsnorm": 1}
-HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
-
-
-@pytest.mark.parametrize("model_type", [*sorted(HYBRIDS), *(pytest.param(m, marks=only_5_17) for m in HYBRIDS_5_17)])
-def test_hybrid_models_match_their_torch_path(model_type, calls):
-    torch.manual_seed(11)
-    config = (HYBRIDS | HYBRIDS_5_17)[model_type]()
-    ref_model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model = copy.deepcopy(ref_model)
-    ids = prompt(batch=PROMPT_BATCH.get(model_type, 2), seed=12)
-    ref_logits, ref_tokens = logits(ref_model, ids), greedy(ref_model, ids)
-    assert all(n == 0 for n in calls.counts.values())
-
-    apply_tilegym_kernel_to_mamba2(model=model)
-    assert_logits_close(logits(model, ids), ref_logits)
-    calls.counts.update({name: 0 for name in OURS})
-    assert torch.equal(greedy(model, ids), ref_tokens)
-    assert calls.counts == expected_calls(layers=2)
-
-
-@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
-def test_hybrid_models_train_on_our_scan(model_type, monkeypatch):
-    """The hybrids' mixers with one group, in training mode: every mixer runs our scan (in the
-    combined call, or in the prefill pieces where a mixer skips that call, as nemotron_h and
-    zamba2 do when they are given a cache); the loss is transformers' torch path's, and every
-    gradient is that of the patched model in float64 (our pytorch backend, exact in float64)."""
-    scans = []
-    real = tilegym_mamba2.backends.dispatch.scan_combined_on  # every scan goes through it
-    monkeypatch.setattr(tilegym_mamba2.backends.dispatch, "scan_combined_on", lambda *a, **k: scans.append(1) or real(*a, **k))
-    config = HYBRIDS[model_type]()
-    for name in ("mamba_n_groups", "mamba_ngroups", "n_groups"):
-        if hasattr(config, name):
-            setattr(config, name, 1)
-    torch.manual_seed(11)
-    reference = transformers.AutoModelForCausalLM.from_config(config).train()
-    for module in reference.modules():
-        # nemotron_h's and zamba2's torch paths clamp dt at time_step_min, their kernel paths (and
-        # ours) at dt_limit: 0 makes the clamp a no-op, so that both compute the same function.
-        if hasattr(module, "time_step_min"):
-            module.time_step_min = 0.0
-    model = copy.deepcopy(reference)
-    apply_tilegym_kernel_to_mamba2(model=model)
-    # Not transformers' torch path in float64: nemotron_h's and zamba2's run their scan in fp32.
-    # 5.17's granitemoehybrid experts use grouped_mm, which has no float64: fp32 again there.
-    exact = copy.deepcopy(model)
-    if STRUCTURE_5_3 or model_type != "granitemoehybrid":
-        exact = exact.double()
-    ids = prompt(seed=12)
-    losses = [m(ids, labels=ids).loss for m in (model, reference, exact)]
-    for loss in losses:
-        loss.backward()
-    assert len(scans) == 4  # two mixers, in fp32 and in float64
-    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
-    # And transformers' own gradients, but for the decay's (dt_bias, A_log: ~1e-8 in this model)
-    # where the torch path runs its scan in fp32.
-    fp32_scan = model_type in ("nemotron_h", "zamba2")
-    for (name, ours), (_, theirs), (_, want) in zip(model.named_parameters(), reference.named_parameters(),
-                                                    exact.named_parameters()):
-        assert (ours.grad is None) == (theirs.grad is None) == (want.grad is None), name
-        if want.grad is None:
-            continue
-        err = ((ours.grad.double() - want.grad).norm() / want.grad.norm().clamp_min(1e-30)).item()
-        assert err < 1e-4, f"{name}: {err:.2e}"
-        if not (fp32_scan and name.endswith(("dt_bias", "A_log"))):
-            err = ((ours.grad - theirs.grad).norm() / theirs.grad.norm().clamp_min(1e-30)).item()
-            assert err < 1e-3, f"{name} against transformers': {err:.2e}"
-
-
-@only_5_3
-def test_falcon_h1_left_alone_under_5_3():
-    # 5.3's FalconH1Mixer.cuda_kernels_forward enters torch.cuda.device: not checked on a CPU, so not patched.
-    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer
-
-    apply_tilegym_kernel_to_mamba2()
-    assert not hasattr(FalconH1Mixer.forward, "_tilegym_mamba2_original")
-    with pytest.raises(ValueError, match="FalconH1ForCausalLM has no Mamba-2 mixer"):
-        apply_tilegym_kernel_to_mamba2(model=transformers.AutoModelForCausalLM.from_config(FALCON_H1()))
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: bf16 on CUDA, our cuTile kernels against transformers' torch path.
 
