@@ -239,6 +239,12 @@ with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=message, category=UserWarning)
     install()
 
+# Every backend gives autograd its functions when imported (autograd.provide), which a first call
+# under torch.compile needs. After install(): tilegym's import brings cuda.tile in the order its
+# packaging expects (imported first by our kernels, it was not found in pytest-xdist workers on
+# the GPU machine).
+from .backends import cutile as _cutile, pytorch as _pytorch  # noqa: E402, F401
+
 __all__ = ["Mamba2ProblemSpec", "mamba2_chunk_backward", "mamba2_chunk_forward", "mamba_chunk_scan_combined",
            "mamba_split_conv1d_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update",
            "rms_norm",

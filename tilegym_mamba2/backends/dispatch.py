@@ -1,12 +1,12 @@
 """From a scan and a backend name to the backend's entry point, for the public API and the
 compositions (split_conv1d_scan.py, distributed/): one lookup of our own registry, or, while
 torch.compile traces (that lookup imports modules, which does not trace), straight to autograd's
-custom op, which runs the backend's functions at run time."""
+custom op, which runs the backend's functions at run time (the package imports every backend,
+so each has given autograd its functions by then)."""
 import torch
 
 from .. import autograd
 from ..core.registry import implementation
-from . import cutile, pytorch  # noqa: F401  each gives autograd its functions at import (autograd.provide)
 
 
 def chunk_forward_on(backend, x, a, b, c, d, dt, init_state, chunk_size):
