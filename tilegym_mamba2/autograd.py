@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .core.packing import scan_returns
-from .core.validation import check_forward_args, check_scan_combined_args
+from .core.validation import check_scan_combined_args
 
 _NONE = ()  # custom ops return tensors only: an empty tensor stands for "no gradient"
 
@@ -211,8 +211,9 @@ def _aliases(t, inputs) -> bool:
 def _eager_function(name, setup, run, grads, run_backward):
     """A torch.autograd.Function with a custom op's setup, forward and gradients."""
     def forward(ctx, *inputs):
+        outputs = run(*inputs)  # first: the backend's checks name a bad argument before setup saves it
         setup(ctx, inputs, None)
-        return run(*inputs)
+        return outputs
 
     def backward(ctx, *cotangents):
         return grads(ctx, *cotangents, backward=run_backward)
@@ -230,17 +231,16 @@ _EagerScanCombined = _eager_function("_EagerScanCombined", _layer_setup, _run_sc
 # --- what the backends' entry points call --------------------------------------------------
 
 def differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, backend):
-    op = chunk_forward
-    if not torch.compiler.is_compiling():  # errors name the argument before an op sees it
-        check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
-        op = _EagerChunkForward.apply
+    # No checks here: the backend's own forward checks its arguments (or takes them from its
+    # plan) inside the Function, before anything is saved.
+    op = chunk_forward if torch.compiler.is_compiling() else _EagerChunkForward.apply
     return op(x, a, b, c, d, dt, init_state, chunk_size, backend)
 
 
 def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                  dt_softplus, dt_limit, return_final_states, return_varlen_states, backend):
     op = scan_combined
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():  # float(dt_limit[i]) below must not meet a malformed dt_limit
         check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                  dt_softplus, dt_limit, return_final_states, return_varlen_states, backend=backend)
         op = _EagerScanCombined.apply

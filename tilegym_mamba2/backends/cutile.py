@@ -11,8 +11,8 @@ from ..backward import Kernels, chunk_backward, scan_combined_backward
 from ..core.packing import scan_returns
 from ..core.quarantine import quarantine_layer
 from ..core.toolchain import compile_errors_explained
-from ..core.validation import (NO_LIMIT, check_backward_args, check_forward_args, check_scan_combined_args, forward_args,
-                               scan_combined_args)
+from ..core.validation import (NO_LIMIT, backward_args, check_backward_args, check_forward_args,
+                               check_scan_combined_args, forward_args, scan_combined_args)
 from ..cutile import plan, scan
 from ..cutile.forward import run_stages
 from ..cutile.scan_combined import layer_config, run_layer
@@ -112,12 +112,19 @@ def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None
                           state_dtype=torch.float32):
     """See tilegym_mamba2.mamba2_chunk_backward. ``state_dtype`` is accepted for tilegym's call;
     states stay fp32."""
-    x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = check_backward_args(
-        x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size, backend="cutile")
+    call = (x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size)
+    key = plan.signature("backward", *call)
+    if plan.planned(key) is None:
+        x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = check_backward_args(*call, backend="cutile")
+    else:
+        x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = backward_args(*call)
     with compile_errors_explained():
         if b.shape[3] <= MAX_STATE:
-            return chunk_backward(KERNELS, x, a, b, c, d, dt, init_state, dout, dfinal_state)
-        return _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state)
+            grads = chunk_backward(KERNELS, x, a, b, c, d, dt, init_state, dout, dfinal_state)
+        else:
+            grads = _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state)
+    plan.remember(key, True)  # the checks passed; the kernels' configs have plans of their own
+    return grads
 
 
 def _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state):

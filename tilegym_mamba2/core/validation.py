@@ -369,7 +369,7 @@ def check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk
                         backend: str) -> BackwardArgs:
     """mamba2_chunk_backward's arguments: the forward's, plus dout (x's shape, cast to x's dtype)
     and dfinal_state ([batch, heads, head_size, state_size] or None, cast to fp32)."""
-    args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
+    check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend=backend)
     batch, _, heads, head_size = x.shape
     state = (batch, heads, head_size, b.shape[3])
     _expect_tensor("dout", dout)
@@ -381,6 +381,12 @@ def check_backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk
         _expect_float("dfinal_state", dfinal_state)
     _check_device({"x": x, "dout": dout, "dfinal_state": dfinal_state}, backend, head_size, b.shape[3],
                   split_state=True)
-    state_dtype = torch.promote_types(x.dtype, torch.float32)
-    return BackwardArgs(args.x, args.a, args.b, args.c, args.d, args.dt, args.init_state, dout.to(x.dtype).contiguous(),
-                        None if dfinal_state is None else dfinal_state.to(state_dtype).contiguous(), chunk_size)
+    return backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size)
+
+
+def backward_args(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size) -> BackwardArgs:
+    """check_backward_args' result without its checks, for arguments already known to pass them
+    (cutile/plan.py)."""
+    args = forward_args(x, a, b, c, d, dt, init_state, chunk_size)
+    return BackwardArgs(*args[:7], _as(dout, x.dtype), _as(dfinal_state, torch.promote_types(x.dtype, torch.float32)),
+                        chunk_size)
