@@ -4,6 +4,8 @@ Each entry point checks its arguments (or takes them from its launch plan on a r
 then either hands the call to autograd, when a gradient may be wanted, or runs the kernels on
 the current CUDA stream. The backward runs backward.py's algorithm over the kernels' scans.
 """
+import contextlib
+
 import torch
 
 from ..autograd import BackendOps, differentiable_chunk_forward, differentiable_scan_combined, provide, wanted
@@ -42,11 +44,16 @@ def chunk_forward_kernels(x, a, b, c, d, dt, init_state=None, chunk_size=128):
         args = check_forward_args(x, a, b, c, d, dt, init_state, chunk_size, backend="cutile")
     else:
         args = forward_args(x, a, b, c, d, dt, init_state, chunk_size)
-    with compile_errors_explained():
+    with compile_errors_explained(), _noticed(config, "mamba2_chunk_forward", x):
         stages = run_stages(*args, config)
     if config is None:
         plan.remember(key, stages.config)
     return stages.out, stages.final_state
+
+
+def _noticed(planned, op, x):
+    """A call with a plan compiles nothing; one without may, and says so when it takes a while."""
+    return plan.first_call_notice(op, getattr(x, "shape", ())) if planned is None else contextlib.nullcontext()
 
 
 def split_state_forward(x, a, b, c, d, dt, init_state, chunk_size):
@@ -82,20 +89,25 @@ def scan_combined_kernels(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=No
     plan (plan.py), except with packed sequences, whose offsets are checked every call."""
     call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
             return_final_states, return_varlen_states)
-    key = plan.signature("layer", *call) if seq_idx is None and cu_seqlens is None else None
+    signature = plan.signature("layer", *call)
+    packed = seq_idx is not None or cu_seqlens is not None
+    key = None if packed else signature
     config = plan.planned(key)
     if config is None:
         args = check_scan_combined_args(*call, backend="cutile")
     else:
         args = scan_combined_args(*call)
-    with compile_errors_explained():
+    # A packed call is checked every time but compiles only the first time its signature comes.
+    seen = config if not packed else plan.planned(None if signature is None else ("packed", signature))
+    with compile_errors_explained(), _noticed(seen, "mamba_chunk_scan_combined", x):
         if config is None:
             config = layer_config(args)
             plan.remember(key, config)
-        if args.seq_idx is None and args.cu_seqlens is None:
+        if not packed:
             out, final_states, varlen = run_layer(args, config=config)
         else:
             out, final_states, varlen = _quarantined_layer(args, config)
+            plan.remember(None if signature is None else ("packed", signature), True)
     return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
 
 
@@ -114,11 +126,12 @@ def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None
     states stay fp32."""
     call = (x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size)
     key = plan.signature("backward", *call)
-    if plan.planned(key) is None:
+    planned = plan.planned(key)
+    if planned is None:
         x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = check_backward_args(*call, backend="cutile")
     else:
         x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = backward_args(*call)
-    with compile_errors_explained():
+    with compile_errors_explained(), _noticed(planned, "mamba2_chunk_backward", x):
         if b.shape[3] <= MAX_STATE:
             grads = chunk_backward(KERNELS, x, a, b, c, d, dt, init_state, dout, dfinal_state)
         else:

@@ -17,6 +17,11 @@ modes (a dt expanded with stride 0 is read once per head) read them.
 Nothing is remembered while a CUDA graph is being captured: there the config is the heuristic's
 or a saved one, not a settled choice (tuning.py), and a later call outside the capture settles it.
 """
+import contextlib
+import sys
+import threading
+import time
+
 import torch
 
 from ..core.validation import value_checks_enabled
@@ -68,3 +73,32 @@ def remember(key, plan) -> None:
 def forget() -> None:
     """Drops every plan (tests; a changed tuning cache file)."""
     _plans.clear()
+
+
+# A call without a plan may compile kernels (seconds each, cached on disk for later processes) and
+# tune: past this many seconds it says so on stderr, and again when it is done.
+NOTICE_AFTER_S = 1.0
+
+
+@contextlib.contextmanager
+def first_call_notice(op: str, shape):
+    """Around a call that has no plan yet: a timer thread prints what is happening once the call has
+    run NOTICE_AFTER_S seconds, and the call's time when it ends. A fast call prints nothing."""
+    started = time.perf_counter()
+    said = threading.Event()
+
+    def say():
+        said.set()
+        print(f"[tilegym-mamba2] {op} {tuple(shape)}: first call of this signature, compiling its kernels "
+              f"(kept in cuTile's disk cache for later processes) ...", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(NOTICE_AFTER_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield said
+    finally:
+        timer.cancel()
+        if said.is_set():
+            print(f"[tilegym-mamba2] {op} {tuple(shape)}: ready after {time.perf_counter() - started:.1f} s",
+                  file=sys.stderr, flush=True)
