@@ -98,7 +98,8 @@ def scan_combined_kernels(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=No
     else:
         args = scan_combined_args(*call)
     # A packed call is checked every time but compiles only the first time its signature comes.
-    seen = config if not packed else plan.planned(None if signature is None else ("packed", signature))
+    seen_key = None if signature is None else ("packed", signature)
+    seen = config if not packed else plan.planned(seen_key)
     with compile_errors_explained(), _noticed(seen, "mamba_chunk_scan_combined", x):
         if config is None:
             config = layer_config(args)
@@ -107,7 +108,7 @@ def scan_combined_kernels(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=No
             out, final_states, varlen = run_layer(args, config=config)
         else:
             out, final_states, varlen = _quarantined_layer(args, config)
-            plan.remember(None if signature is None else ("packed", signature), True)
+            plan.remember(seen_key, True)
     return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
 
 
