@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .core.packing import seq_idx_from_cu_seqlens
-from .core.quarantine import cleaned, quarantine_layer
+from .core.quarantine import quarantine_layer
 from .core.tensors import expand_groups, group_sums
 from .core.validation import check_scan_combined_args
 from .reference.layer import process_dt, process_dt_slope
@@ -60,12 +60,8 @@ def _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_sta
     """layer_backward on kernels that keep packed sequences apart by zero weights
     (core/quarantine.py): a sequence with a non-finite input or output gradient gets NaN
     gradients, and no other sequence sees its values."""
-    quarantine, clean = quarantine_layer(saved)
-    quarantine.mark_tokens(dout)
-    quarantine.mark_row_lasts(dfinal_states)
-    quarantine.mark_sequences(dvarlen_states)
-    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = layer_backward(
-        kernels, clean, cleaned(dout), cleaned(dfinal_states), cleaned(dvarlen_states))
+    quarantine, clean, grads = quarantine_layer(saved, dout, dfinal_states, dvarlen_states)
+    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = layer_backward(kernels, clean, *grads)
     tokens, shared = quarantine.poison_tokens, quarantine.poison_shared
     dinit = (quarantine.poison_sequences(dinit) if quarantine.per_sequence_init
              else quarantine.poison_row_firsts(dinit))

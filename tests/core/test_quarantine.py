@@ -7,7 +7,8 @@ import torch
 
 from tilegym_mamba2.backends.pytorch import pytorch_kernels
 from tilegym_mamba2.backward import scan_combined_backward
-from tilegym_mamba2.core.quarantine import Quarantine, cleaned
+from tilegym_mamba2.core.quarantine import NothingMarked, Quarantine, all_finite, cleaned, quarantine_layer
+from tilegym_mamba2.core.validation import check_scan_combined_args
 
 NAN = float("nan")
 
@@ -84,3 +85,41 @@ def test_quarantined_backward_poisons_the_hit_sequence_and_leaves_the_rest(where
         rest = torch.ones(t, dtype=torch.bool)
         rest[part] = False
         assert torch.equal(grads[i][:, rest], clean[i][:, rest]), name
+
+
+def _packed_args(x):
+    t, h = x.shape[1], x.shape[2]
+    return check_scan_combined_args(x, torch.rand(1, t, h), -torch.ones(h), torch.randn(1, t, 1, 4),
+                                    torch.randn(1, t, 1, 4), 16, None, None, None, None, None,
+                                    torch.tensor([0, 3, t]), False, (0.0, float("inf")), True, False,
+                                    backend="pytorch")
+
+
+def test_all_finite_sees_nan_inf_and_fp32_overflow():
+    ok = torch.ones(4, 3, dtype=torch.bfloat16)
+    assert all_finite(ok, None, torch.zeros(2)) and all_finite()
+    for bad in (NAN, float("inf"), -float("inf")):
+        t = ok.clone()
+        t[2, 1] = bad
+        assert not all_finite(ok, t)
+    huge = torch.full((4,), 3e38)           # finite values whose fp32 sum is inf: quarantined
+    assert not all_finite(huge)
+
+
+def test_a_finite_call_skips_the_quarantine_and_a_non_finite_one_takes_it():
+    args = _packed_args(torch.randn(1, 8, 2, 4))
+    dout = torch.randn(1, 8, 2, 4)
+    quarantine, clean, grads = quarantine_layer(args, dout)
+    assert isinstance(quarantine, NothingMarked) and clean is args and grads[0] is dout
+    dout[0, 5, 1, 2] = NAN                   # a gradient of the second sequence
+    quarantine, clean, grads = quarantine_layer(args, dout)
+    assert isinstance(quarantine, Quarantine) and torch.isfinite(grads[0]).all()
+    out = quarantine.poison_tokens(torch.zeros(1, 8))
+    assert torch.isnan(out[0, 3:]).all() and (out[0, :3] == 0).all()
+
+
+def test_values_near_fp32_limit_take_the_quarantine_and_mark_nothing():
+    x = torch.full((1, 8, 2, 4), 3e38)
+    quarantine, clean, _ = quarantine_layer(_packed_args(x))
+    assert isinstance(quarantine, Quarantine) and not (quarantine.marks > 0).any()
+    assert torch.equal(clean.x, x)

@@ -115,7 +115,7 @@ def scan_combined_kernels(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=No
 def _quarantined_layer(args, config):
     """run_layer on packed sequences (core/quarantine.py): the kernels keep sequences apart by
     zero weights, so a sequence with a non-finite input runs on zeros there and comes out NaN."""
-    quarantine, clean = quarantine_layer(args)
+    quarantine, clean, _ = quarantine_layer(args)
     out, final_states, varlen = run_layer(clean, config=config)
     return (quarantine.poison_tokens(out), quarantine.poison_row_lasts(final_states),
             quarantine.poison_sequences(varlen))

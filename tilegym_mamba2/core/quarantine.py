@@ -14,6 +14,14 @@ backend quarantines around its kernels, on the device and with no read on the ho
 
 So a non-finite input never passes silently and never reaches another sequence; the other
 sequences' results are those of finite inputs. Calls without packing do not come here.
+
+Most calls hold no non-finite value at all, and for them the three steps are pure cost: on a
+large packed call they read and write every token's tensors several times more than the kernels
+do (docs/design.md, Decisions: the quarantine's fast path). So a call first sums each input once
+in fp32 (one read, nothing written) and reads the sums back in one transfer, next to the one its
+packing checks already make; when every sum is finite the kernels run on the inputs as given. A
+sum overflows to inf only for values near fp32's limit: such a call takes the quarantine, which
+is right for any input.
 """
 import torch
 
@@ -34,6 +42,23 @@ def _nonfinite_rows(t):
 def cleaned(t):
     """t with NaN and inf replaced by 0 (None stays None)."""
     return None if t is None else torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def all_finite(*tensors) -> bool:
+    """True when no tensor (None skipped) holds a NaN or inf, or an fp32 sum past fp32's range."""
+    sums = [t.sum(dtype=torch.float32) for t in tensors if t is not None]
+    return not sums or bool(torch.stack(sums).isfinite().all())
+
+
+class NothingMarked:
+    """The quarantine of a call whose inputs are all finite: nothing to poison."""
+    per_sequence_init = False
+
+    @staticmethod
+    def _unchanged(t, *_):
+        return t
+
+    poison_tokens = poison_row_firsts = poison_row_lasts = poison_sequences = poison_shared = _unchanged
 
 
 class Quarantine:
@@ -106,20 +131,27 @@ class Quarantine:
         return self._poison(t, self._marked.any())
 
 
-def quarantine_layer(args):
-    """For the layer op's checked arguments (validation.ScanCombinedArgs) with packed sequences:
-    -> (a Quarantine with every sequence marked whose inputs hold a non-finite value, the
-    arguments with those values replaced by 0). ``quarantine.per_sequence_init``: the initial
-    states are one per sequence (with cu_seqlens) rather than one per row."""
+def quarantine_layer(args, dout=None, dfinal_states=None, dvarlen_states=None):
+    """For the layer op's checked arguments (validation.ScanCombinedArgs) with packed sequences,
+    and in the backward the output gradients: -> (a Quarantine with every sequence marked whose
+    inputs hold a non-finite value, the arguments with those values replaced by 0, the gradients
+    (dout, dfinal_states, dvarlen_states) likewise). ``quarantine.per_sequence_init``: the initial
+    states are one per sequence (with cu_seqlens) rather than one per row. A call whose inputs
+    are all finite gets NothingMarked and its arguments as they are."""
     x = args.x
+    grads = (dout, dfinal_states, dvarlen_states)
+    if all_finite(x, args.dt, args.B, args.C, args.z, args.initial_states, *grads):
+        return NothingMarked(), args, grads
     quarantine = Quarantine(args.seq_idx, args.cu_seqlens, x.shape[0], x.shape[1], x.device)
-    quarantine.mark_tokens(x, args.dt, args.B, args.C, args.z)
+    quarantine.mark_tokens(x, args.dt, args.B, args.C, args.z, dout)
     quarantine.per_sequence_init = (args.initial_states is not None and args.cu_seqlens is not None
                                     and args.initial_states.shape[0] != x.shape[0])
     if quarantine.per_sequence_init:
         quarantine.mark_sequences(args.initial_states)
     else:
         quarantine.mark_row_firsts(args.initial_states)
+    quarantine.mark_row_lasts(dfinal_states)
+    quarantine.mark_sequences(dvarlen_states)
     clean = args._replace(x=cleaned(x), dt=cleaned(args.dt), B=cleaned(args.B), C=cleaned(args.C),
                           z=cleaned(args.z), initial_states=cleaned(args.initial_states))
-    return quarantine, clean
+    return quarantine, clean, tuple(map(cleaned, grads))
