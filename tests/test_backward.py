@@ -222,6 +222,35 @@ def test_layer_autograd_packed_sequences_matches_float64():
         assert rel(leaf.grad, want) < 1e-4, (name, rel(leaf.grad, want))
 
 
+@pytest.mark.parametrize("used", [("out",), ("final",), ("states",), ("out", "states")])
+def test_layer_autograd_loss_of_some_outputs(used, monkeypatch):
+    """A loss that leaves outputs out (a training loss is usually the output alone) gets the
+    gradients of that loss; varlen states outside it cost no per-sequence edge terms."""
+    from tilegym_mamba2 import backward
+    t = {k: v.float() for k, v in layer_inputs(5, 1, 50, bias=False).items()}
+    cu_seqlens = cu(9, 31, 50)
+    if "states" not in used:
+        def refuse(*args, **kwargs):
+            raise AssertionError("edge terms for varlen states the loss left out")
+        monkeypatch.setattr(backward, "sequence_edge_terms", refuse)
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    kw = dict(leaves)
+    outputs = dict(zip(("out", "final", "states"), tilegym_mamba2.mamba_chunk_scan_combined(
+        kw.pop("x"), kw.pop("dt"), kw.pop("A"), kw.pop("B"), kw.pop("C"), 16, **kw, cu_seqlens=cu_seqlens,
+        dt_softplus=True, return_final_states=True, return_varlen_states=True)))
+    g = torch.Generator().manual_seed(4)
+    weights = {name: torch.randn(outputs[name].shape, generator=g) for name in used}
+    sum((outputs[name] * w).sum() for name, w in weights.items()).backward()
+    r = {k: v.double().requires_grad_() for k, v in t.items()}
+    ref = dict(zip(("out", "final", "states"), layer_token_recurrence(
+        r["x"], r["dt"], r["A"], r["B"], r["C"], r["D"], r["z"], None, None, None, cu_seqlens, True)))
+    refs = torch.autograd.grad(sum((ref[name] * w.double()).sum() for name, w in weights.items()), list(r.values()),
+                               allow_unused=True)  # C reaches the outputs alone
+    for (name, leaf), want in zip(leaves.items(), refs):
+        want = torch.zeros_like(leaf, dtype=F64) if want is None else want
+        assert torch.isfinite(leaf.grad).all() and rel(leaf.grad, want) < 1e-4, (name, rel(leaf.grad, want))
+
+
 def test_layer_autograd_all_inputs():
     """Every differentiable input of the layer op gets float64-accurate gradients (fp32 math)."""
     t = {k: v.float() for k, v in layer_inputs(11, 2, 41, init="row").items()}

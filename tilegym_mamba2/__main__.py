@@ -68,7 +68,8 @@ def main(argv=None):
                        help="instead: the layer op (mamba_chunk_scan_combined with its options, packed "
                             "batches) against mamba_ssm's")
     bench.add_argument("--backward", action="store_true",
-                       help="forward + backward (training), ours vs tilegym's and mamba_ssm's, gradients checked")
+                       help="forward + backward (training), ours vs tilegym's and mamba_ssm's, gradients checked; with "
+                            "--layer: the layer op's training step")
     bench.add_argument("--serving", action="store_true",
                        help="instead: the decode and prefill-conv ops (selective_state_update, causal_conv1d_fn, "
                             "causal_conv1d_update) against mamba_ssm, causal_conv1d and HF's torch path, and a "
@@ -284,13 +285,12 @@ def bench_cmd(args) -> int:
     if args.stages:
         bench.stage_times(shapes)
         return 0
+    if args.layer:
+        from .bench.layer import layer_table, run_layer_bench
+        return _save_and_print(run_layer_bench(training=args.backward), layer_table, args.json)
     if args.backward:
         from .bench.backward import backward_table, run_backward_bench
-        rows = run_backward_bench(only=args.only)
-        with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
-        print(backward_table(rows))
-        return 0
+        return _save_and_print(run_backward_bench(only=args.only), backward_table, args.json)
     if args.serving and args.decode_graphs:
         from .bench.decode import run_decode_bench
         rows = run_decode_bench()
@@ -309,18 +309,18 @@ def bench_cmd(args) -> int:
                 result["notes"]["png"] = f"not drawn: {e}"
         print(notes_text(result["notes"]))
         return 0
-    if args.layer:
-        from .bench.layer import layer_table, run_layer_bench
-        rows = run_layer_bench()
-        with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
-        print(layer_table(rows))
-        return 0
     result = bench.run(shapes, only=args.only, tilegym_shapes=args.tilegym_shapes, out_json=args.json,
                        time_budget_s=args.time_budget)
     print(bench.table(result))
     if args.png:
         bench.plot(result, args.png)
+    return 0
+
+
+def _save_and_print(rows, table, path) -> int:
+    with open(path, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
+    print(table(rows))
     return 0
 
 

@@ -124,6 +124,7 @@ def _chunk_setup(ctx, inputs, output):
 
 def _chunk_grads(ctx, dout, dfinal_state, backward=chunk_backward):
     x, a, b, c, d, dt, init_state = ctx.saved_tensors
+    dout, dfinal_state = _zeros_for_unused(x, b, dout, dfinal_state)
     dx, da, db, dc, dd, ddt, dinit = backward(x, a, b, c, d, dt, init_state, dout.contiguous(),
                                               dfinal_state.contiguous(), ctx.chunk_size, ctx.backend)
     return (dx, da.to(a.dtype), db, dc, dd.to(d.dtype), ddt, None if init_state is None else dinit.to(init_state.dtype),
@@ -183,9 +184,14 @@ def _layer_setup(ctx, inputs, output):
 
 def _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=scan_combined_backward):
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+    dout, dfinal_states = _zeros_for_unused(x, B, dout, dfinal_states)
+    # varlen states the loss left out stay None (eager calls): a gradient for them, even of
+    # zeros, takes the backward's per-sequence edge terms.
+    if not ctx.return_varlen_states or dvarlen_states is None:
+        dvarlen_states = None
     grads = backward(
         dout.contiguous(), dfinal_states.contiguous(),
-        dvarlen_states.contiguous() if ctx.return_varlen_states else None, x, dt, A, B, C, ctx.chunk_size, D, z,
+        None if dvarlen_states is None else dvarlen_states.contiguous(), x, dt, A, B, C, ctx.chunk_size, D, z,
         dt_bias, initial_states, seq_idx, cu_seqlens, ctx.dt_softplus, ctx.dt_low, ctx.dt_high, ctx.backend)
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = [None if t is None else g.to(t.dtype)
                                                     for g, t in zip(grads, (x, dt, A, B, C, D, z, dt_bias,
@@ -195,6 +201,16 @@ def _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=scan_combine
 
 
 scan_combined.register_autograd(_layer_grads, setup_context=_layer_setup)
+
+
+def _zeros_for_unused(x, B, dout, dfinal_states):
+    """The eager Functions leave the gradients of outputs the loss did not use as None; the
+    backward takes zeros for the output and the final states."""
+    if dout is None:
+        dout = torch.zeros_like(x)
+    if dfinal_states is None:
+        dfinal_states = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3], dtype=_state_dtype(x))
+    return dout, dfinal_states
 
 
 def _state_dtype(x):
@@ -213,6 +229,7 @@ def _eager_function(name, setup, run, grads, run_backward):
     def forward(ctx, *inputs):
         outputs = run(*inputs)  # first: the backend's checks name a bad argument before setup saves it
         setup(ctx, inputs, None)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return outputs
 
     def backward(ctx, *cotangents):

@@ -34,3 +34,25 @@ def test_table_gives_the_ratio():
             dict(case="b", impl="ours", ms=0.1)]
     lines = layer_table(rows).splitlines()
     assert "2.50x" in lines[2] and "—" in lines[3]
+
+
+def test_training_step_takes_every_gradient_of_the_output():
+    """bench --layer --backward's step: the output's backward reaches every differentiable input
+    (here on the pytorch backend), and the step returns the forward's output."""
+    from tilegym_mamba2.bench.layer import TRAINED, _training_step, training_args
+    case = LayerCase("tiny packed", 1, 120, 1, 4, 16, 16, sequences=3)
+    args, _ = layer_inputs(case, device="cpu", dtype=torch.float32)
+    train = training_args(args)
+    assert all(train[k].requires_grad for k in TRAINED) and train["dout"].shape == args["x"].shape
+    seen, grads = {}, {}
+    for k in TRAINED:
+        train[k].register_hook(lambda g, k=k: grads.setdefault(k, g))
+
+    def call(a, chunk):
+        result = tilegym_mamba2.mamba_chunk_scan_combined(**a, chunk_size=chunk, backend="pytorch")
+        seen["out"] = result[0]
+        return result
+    out = _training_step(call)(train, 32)
+    assert not out.requires_grad and torch.equal(out, seen["out"].detach())
+    assert sorted(grads) == sorted(TRAINED)
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())

@@ -8,6 +8,8 @@ A table is an anchor when the line just above it reads ``<!-- check: KIND -->``,
     backward   rows "B, T, G, H, N, P | ours | ours, autograd | ...": forward + backward, explicit
                and through autograd
     layer      rows "case | ours ms | ...": the layer op on bench.layer's case of that name
+    training   rows "case | ours ms | ...": the layer op's training step on that case
+               (bench --layer --backward)
 
 The figures are read from the document, so a table updated by a new measurement is the check's
 new reference; peers are not rerun (their times move between processes, ours is what a change of
@@ -18,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SLOWER_THAN_RECORDED = 1.10   # flagged above this ratio of now to recorded
-KINDS = {"forward": ("ours",), "backward": ("ours", "ours, autograd"), "layer": ("ours ms",)}
+KINDS = {"forward": ("ours",), "backward": ("ours", "ours, autograd"), "layer": ("ours ms",),
+         "training": ("ours ms",)}
 MARKER = re.compile(r"<!--\s*check:\s*(\w+)\s*-->")
 
 
 @dataclass(frozen=True)
 class Anchor:
-    kind: str               # forward, backward or layer
+    kind: str               # forward, backward, layer or training
     row: str                # the row's first cell: a shape "4, 16384, ..." or a layer case's name
     column: str             # the recorded column: "ours", "ours, autograd", "ours ms"
     recorded_ms: float
@@ -90,13 +93,15 @@ def measure_anchors(anchors, log=print) -> dict:
         impl = {"ours": "ours", "ours, autograd": "ours autograd"}
         times = {(tuple(r["shape"]), r["impl"]): r["ms"] for r in rows}
         now.update({a: times.get((a.shape, impl[a.column])) for a in backward})
-    layer = [a for a in anchors if a.kind == "layer"]
-    if layer:
-        cases = {c.name: c for c in LAYER_CASES}
+    cases = {c.name: c for c in LAYER_CASES}
+    for kind in ("layer", "training"):
+        layer = [a for a in anchors if a.kind == kind]
+        if not layer:
+            continue
         unknown = [a.row for a in layer if a.row not in cases]
         if unknown:
-            raise ValueError(f"layer rows {unknown} name no case of bench.layer.LAYER_CASES {sorted(cases)}")
-        rows = run_layer_bench([cases[a.row] for a in layer], peers=False, log=log)
+            raise ValueError(f"{kind} rows {unknown} name no case of bench.layer.LAYER_CASES {sorted(cases)}")
+        rows = run_layer_bench([cases[a.row] for a in layer], peers=False, log=log, training=kind == "training")
         times = {r["case"]: r["ms"] for r in rows if r["impl"] == "ours"}
         now.update({a: times.get(a.row) for a in layer})
     return now

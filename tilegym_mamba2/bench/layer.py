@@ -1,6 +1,9 @@
 """The layer op side by side: ``mamba_chunk_scan_combined`` as Mamba-2 mixers call it, ours and
 mamba_ssm's (when installed) on the same inputs in one process, each checked against the
-float64 chunked reference. ``python -m tilegym_mamba2 bench --layer``.
+float64 chunked reference. ``python -m tilegym_mamba2 bench --layer``; with ``--backward``, a
+training step instead: the forward and, through autograd, the gradients of every input for a
+loss of the output alone (what a model's loss.backward() runs), ours returning varlen states as
+in the forward cases, mamba_ssm without them (its backward refuses them).
 
 Cases: raw dt with dt_bias and softplus, D per head and z gating (mamba_ssm's Mamba2 defaults),
 on whole rows and on packed batches (cu_seqlens and seq_idx, varlen states returned).
@@ -65,27 +68,56 @@ def _inverse_softplus(dt0):
     return dt0 + torch.log(-torch.expm1(-dt0))
 
 
-def implementations():
-    """name -> fn(args, chunk_size) -> out; notes for the ones that are missing."""
+TRAINED = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")   # the layer op's differentiable inputs
+
+
+def implementations(training=False):
+    """name -> fn(args, chunk_size) -> out; notes for the ones that are missing. ``training``: fn
+    also runs the backward of out · dout (args then hold leaves that require grad, and dout)."""
     import tilegym_mamba2
-    found = {"ours": lambda a, chunk: _out(tilegym_mamba2.mamba_chunk_scan_combined(**a, chunk_size=chunk,
-                                                                                   backend="cutile"))}
+    found = {"ours": lambda a, chunk: tilegym_mamba2.mamba_chunk_scan_combined(**a, chunk_size=chunk,
+                                                                              backend="cutile")}
     notes = {}
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        found["mamba_ssm"] = lambda a, chunk: _out(mamba_chunk_scan_combined(**a, chunk_size=chunk))
+
+        def mamba_ssm(a, chunk):
+            if training:
+                a = {k: v for k, v in a.items() if k != "return_varlen_states"}
+            return mamba_chunk_scan_combined(**a, chunk_size=chunk)
+        found["mamba_ssm"] = mamba_ssm
     except Exception as e:  # its package imports a CUDA extension that may be missing
         notes["mamba_ssm"] = f"not importable ({type(e).__name__})"
-    return found, notes
+    if training:
+        return {name: _training_step(fn) for name, fn in found.items()}, notes
+    return {name: (lambda a, chunk, fn=fn: _out(fn(a, chunk))) for name, fn in found.items()}, notes
+
+
+def _training_step(call):
+    def step(args, chunk):
+        args = dict(args)
+        dout = args.pop("dout")
+        out = _out(call(args, chunk))
+        torch.autograd.grad(out, [args[k] for k in TRAINED], dout)
+        return out.detach()
+    return step
+
+
+def training_args(args, seed=1):
+    """The forward case's arguments as leaves that require grad, and a fixed dout."""
+    leaves = {k: (v.detach().clone().requires_grad_() if k in TRAINED else v) for k, v in args.items()}
+    gen = torch.Generator(device=args["x"].device).manual_seed(seed)
+    leaves["dout"] = torch.randn(args["x"].shape, generator=gen, device=args["x"].device).to(args["x"].dtype)
+    return leaves
 
 
 def _out(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def run_layer_bench(cases=LAYER_CASES, chunk_size=256, peers=True, log=print):
-    """peers=False: ours alone."""
-    impls, notes = implementations()
+def run_layer_bench(cases=LAYER_CASES, chunk_size=256, peers=True, log=print, training=False):
+    """peers=False: ours alone. training: forward + backward (implementations)."""
+    impls, notes = implementations(training)
     if not peers:
         impls, notes = {"ours": impls["ours"]}, {}
     for name, note in notes.items():
@@ -94,6 +126,8 @@ def run_layer_bench(cases=LAYER_CASES, chunk_size=256, peers=True, log=print):
     for case in cases:
         args, lengths = layer_inputs(case)
         ref = _reference(args, chunk_size)
+        if training:
+            args = training_args(args)
         for name, fn in impls.items():
             start = time.perf_counter()
             out = fn(args, chunk_size)
@@ -102,8 +136,10 @@ def run_layer_bench(cases=LAYER_CASES, chunk_size=256, peers=True, log=print):
             got = out[:1].double()
             err = ((got - ref).norm() / ref.norm()).item() if not torch.isnan(got).any() else float("nan")
             ms = measure(lambda: fn(args, chunk_size))
-            rows.append(dict(case=case.name, impl=name, ms=ms, rel_err=err, first_call_s=first))
-            log(f"{case.name:32s} {name:10s} {ms:8.3f} ms  err {err:.1e}  first call {first:.1f} s"
+            rows.append(dict(case=case.name, impl=name, ms=ms, rel_err=err, first_call_s=first,
+                             mode="forward + backward" if training else "forward"))
+            log(f"{case.name:32s} {name:10s} {'fwd+bwd ' if training else ''}{ms:8.3f} ms  err {err:.1e}  "
+                f"first call {first:.1f} s"
                 + (f"  ({len(lengths)} sequences)" if len(lengths) > 1 else ""))
         torch.cuda.empty_cache()
     return rows
@@ -111,8 +147,8 @@ def run_layer_bench(cases=LAYER_CASES, chunk_size=256, peers=True, log=print):
 
 def _reference(args, chunk_size):
     """float64 chunked reference for the first row (exact against the layer's definition)."""
-    first = {k: (v[:1] if isinstance(v, torch.Tensor) and k in ("x", "dt", "B", "C", "z", "seq_idx") else v)
-             for k, v in args.items()}
+    first = {k: (v.detach()[:1] if isinstance(v, torch.Tensor) and k in ("x", "dt", "B", "C", "z", "seq_idx")
+                 else v) for k, v in args.items()}
     dt = process_dt(first["dt"], first["dt_bias"], True, dtype=torch.float64)
     out, _, _ = chunked_layer_reference(first["x"], dt, first["A"], first["B"], first["C"], D=first["D"],
                                         z=first["z"], seq_idx=first.get("seq_idx"),
