@@ -17,6 +17,13 @@ CASE_TIMEOUT_S = 60      # a case that takes longer on some rank is a hang
 STARTUP_TIMEOUT_S = 240  # starting a rank (torch and the package imported) on a busy 2-core machine
 
 
+def assert_no_rank_crashed(per_rank, case):
+    """Names every rank that crashed in ``case``, each with its error: a rank that fails leaves
+    the others waiting for it, so the first rank's error alone often names the wait, not the cause."""
+    crashed = {rank: results[case]["crash"] for rank, results in enumerate(per_rank) if "crash" in results[case]}
+    assert not crashed, "\n".join(f"rank {rank} {case}:\n{text}" for rank, text in crashed.items())
+
+
 def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
     """Runs ``cases(rank, world, *args)`` -- a dict {case name: callable()} -- in ``world``
     spawned processes over gloo, the cases one after another in every rank -> per rank, {case:

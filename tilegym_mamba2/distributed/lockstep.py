@@ -61,8 +61,9 @@ def _gather_headers(header: torch.Tensor, group, op: str, phase: int, call: int)
         except RuntimeError as e:
             raise RuntimeError(
                 f"{op}: rank {dist.get_rank(group)} waited {seconds:g} s in {PHASE_NAMES[phase]} of call {call} for "
-                f"the other ranks of its group, which never joined. A rank whose loss uses none of a call's outputs "
-                f"(neither out nor the final states) never runs that call's backward; every rank's loss must use out "
+                f"the other ranks of its group, which never joined. Either a rank failed or exited before it "
+                f"(its own error says why), or a rank's loss uses none of the call's outputs (neither out nor the "
+                f"final states): autograd never runs that call's backward there, and every rank's loss must use out "
                 f"or the final states of each call (docs/context_parallel.md). The group is unusable after this "
                 f"error. ({e})") from None
     return [tuple(p.tolist()) for p in parts]
