@@ -341,11 +341,13 @@ def test_backward_kernels_compile_ahead_of_time():
         # The plain op needs only chunk states, both scans' from the walk; the layer op's z needs
         # the forward's outputs (the forward's stages); its scan of dh is the walk on packed
         # sequences, the forward's stages on the flipped inputs where sequences have their own
-        # states (and its outputs, the varlen states, hold their gradients).
+        # states (and its outputs, the varlen states, hold their gradients); z's gradients and
+        # the dy it passes on are the gate kernels'.
         grads = {"given_decay_cumsum_kernel", "chunk_grads_columns_kernel", "chunk_grads_rows_kernel"}
         expected = {"chunk_states_walk_kernel"} | grads
         if layer is not None:
-            expected |= {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel", "varlen_states_kernel"}
+            expected |= {"segment_states_kernel", "state_scan_kernel", "compute_out_kernel", "varlen_states_kernel",
+                         "gate_dy_kernel", "gate_dz_kernel"}
         if layer == "sequence_states":
             expected = expected - {"chunk_states_walk_kernel"} | {"sequence_init_kernel"}
         assert names == expected, (layer, names)

@@ -39,7 +39,7 @@ from .core.packing import seq_idx_from_cu_seqlens
 from .core.quarantine import quarantine_layer
 from .core.tensors import expand_groups, group_sums
 from .core.validation import check_scan_combined_args
-from .reference.layer import process_dt, process_dt_slope
+from .reference.layer import gate_dy_reference, gate_dz_reference, process_dt, process_dt_slope
 
 
 def scan_combined_backward(kernels_for, dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None,
@@ -82,6 +82,10 @@ class Kernels(NamedTuple):
     # False for kernels that apply sequence boundaries as zero weights, where 0 * NaN would let a
     # non-finite value cross: their packed calls run quarantined (core/quarantine.py).
     isolates_sequences: bool = True
+    # The output gate's gradients (reference/layer.py states them): (dout, z, dtype) -> (dy, dy_low)
+    # and (dout, z, y, x, skip) -> dz.
+    gate_dy: Callable = gate_dy_reference
+    gate_dz: Callable = gate_dz_reference
 
 
 def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -260,25 +264,15 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
     if cu_seqlens is not None and seq_idx is None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
     dt = process_dt(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
-    dout = dout.to(acc)
     skip = None if D is None else (D.to(acc)[:, None] if D.ndim == 1 else D.to(acc))
-    dy = dout
-    if z is not None:
-        gate = torch.sigmoid(z.to(acc))
-        dy = dout * z.to(acc) * gate
-    # The gated dy is no longer x's dtype: rounded to it for the mma operands, it moved the mixer's
-    # dA 1.5e-3 off float64 against mamba_ssm's 4.7e-4; the rest goes along as a second term.
-    dy_high = dy.to(x.dtype)
-    dy_low = (dy - dy_high.to(acc)).to(x.dtype) if z is not None and x.dtype != acc else None
+    # The gated dy is no longer x's dtype: it reaches the scans as two terms in x's dtype.
+    dy_high, dy_low = (dout.to(x.dtype), None) if z is None else kernels.gate_dy(dout, z, x.dtype)
     dx, dB, dC, ddt, dA, dinit, dskip, y = scan_backward(
         kernels, x, A, B, C, dt, dy_high, skip, initial_states=initial_states, seq_idx=seq_idx,
         cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None,
         dy_low=dy_low)
     dD = None if D is None else (dskip[:, 0] if D.ndim == 1 else dskip).to(D.dtype)
-    dz = None
-    if z is not None:
-        pre_gate = y.to(acc) if skip is None else y.to(acc) + skip * x.to(acc)
-        dz = (dout * pre_gate * gate * (1 + z.to(acc) * (1 - gate))).to(z.dtype)
+    dz = None if z is None else kernels.gate_dz(dout, z, y, x, skip)
     ddt_raw = ddt * process_dt_slope(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
     ddt_bias = None if dt_bias is None else ddt_raw.sum((0, 1)).to(dt_bias.dtype)
     return (dx, ddt_raw.to(dt_raw.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,

@@ -15,15 +15,17 @@ from ..core.quarantine import quarantine_layer
 from ..core.toolchain import compile_errors_explained
 from ..core.validation import (NO_LIMIT, backward_args, check_backward_args, check_forward_args,
                                check_scan_combined_args, forward_args, scan_combined_args)
-from ..cutile import plan, scan
+from ..cutile import gate_grads, plan, scan
 from ..cutile.forward import run_stages
 from ..cutile.scan_combined import layer_config, run_layer
 
 MAX_STATE = 256  # the widest state a kernel carries; wider ones run in halves
 
-# What backward.py runs on: the forward's kernels as scans, the reversed walk, chunk_grads.
-# Their packed calls run quarantined (core/quarantine.py): the kernels mask by zero weights.
-KERNELS = Kernels(scan.scan, scan.chunk_grads, reversed_scan=scan.reversed_scan, isolates_sequences=False)
+# What backward.py runs on: the forward's kernels as scans, the reversed walk, chunk_grads, the
+# gate's gradients. Their packed calls run quarantined (core/quarantine.py): the kernels mask by
+# zero weights.
+KERNELS = Kernels(scan.scan, scan.chunk_grads, reversed_scan=scan.reversed_scan, isolates_sequences=False,
+                  gate_dy=gate_grads.gate_dy, gate_dz=gate_grads.gate_dz)
 
 
 def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128):
