@@ -8,12 +8,12 @@ from tilegym_mamba2.bench.check import Anchor, default_document, read_anchors, r
 from tilegym_mamba2.bench.layer import LAYER_CASES
 
 
-def test_the_documents_anchors_cover_forward_backward_and_layer():
+def test_the_documents_anchors_cover_forward_backward_layer_and_training():
     anchors = read_anchors(default_document().read_text())
-    assert {a.kind for a in anchors} == {"forward", "backward", "layer"}
+    assert {a.kind for a in anchors} == {"forward", "backward", "layer", "training"}
     assert all(a.recorded_ms > 0 for a in anchors)
-    assert all(len(a.shape) == 6 for a in anchors if a.kind != "layer")
-    assert {a.row for a in anchors if a.kind == "layer"} <= {c.name for c in LAYER_CASES}
+    assert all(len(a.shape) == 6 for a in anchors if a.kind in ("forward", "backward"))
+    assert {a.row for a in anchors if a.kind in ("layer", "training")} <= {c.name for c in LAYER_CASES}
     source = [a for a in anchors if a.kind == "backward" and a.shape == (4, 16384, 1, 8, 128, 64)]
     assert {a.column for a in source} == {"ours", "ours, autograd"}
 
