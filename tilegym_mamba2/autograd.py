@@ -41,7 +41,10 @@ class BackendOps:
     chunk_forward: Callable            # mamba2_chunk_forward's -> (out, final_state)
     chunk_backward: Callable           # mamba2_chunk_backward's -> (dx, da, db, dc, dd, ddt, dinit_state)
     scan_combined: Callable            # mamba_chunk_scan_combined's -> its returns
-    scan_combined_backward: Callable   # mamba2_chunk_scan_combined_backward's -> (dx, ddt, ..., dinitial_states)
+    # mamba2_chunk_scan_combined_backward's -> (dx, ddt, ..., dinitial_states), without the checks:
+    # the forward checked the same saved tensors, and autograd refuses a backward after any of
+    # them changed in place.
+    scan_combined_backward: Callable
 
 
 _BACKENDS: dict[str, BackendOps] = {}

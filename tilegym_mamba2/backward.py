@@ -38,18 +38,22 @@ import torch
 from .core.packing import seq_idx_from_cu_seqlens
 from .core.quarantine import quarantine_layer
 from .core.tensors import expand_groups, group_sums
-from .core.validation import check_scan_combined_args
+from .core.validation import check_scan_combined_args, scan_combined_args
 from .reference.layer import gate_dy_reference, gate_dz_reference, process_dt, process_dt_slope
 
 
 def scan_combined_backward(kernels_for, dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None,
                            z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
-                           dt_softplus=False, dt_limit=(0.0, float("inf")), *, backend):
+                           dt_softplus=False, dt_limit=(0.0, float("inf")), *, backend, checked=False):
     """Gradients of mamba_chunk_scan_combined (the registry op mamba2_chunk_scan_combined_backward,
-    which autograd.py calls): (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None where
-    the input is None. ``kernels_for(dtype)``: the backend's Kernels for inputs of that dtype."""
-    saved = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                                     dt_softplus, dt_limit, True, dvarlen_states is not None, backend=backend)
+    and what autograd.py runs, with ``checked``): (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None where
+    the input is None. ``kernels_for(dtype)``: the backend's Kernels for inputs of that dtype.
+    ``checked``: the forward checked these very arguments (autograd's call: its saved tensors
+    cannot have changed since), so their checks, which read packed offsets back from the device,
+    are not repeated."""
+    call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+            True, dvarlen_states is not None)
+    saved = scan_combined_args(*call) if checked else check_scan_combined_args(*call, backend=backend)
     kernels = kernels_for(x.dtype)
     if kernels.isolates_sequences or (saved.seq_idx is None and saved.cu_seqlens is None):
         return layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states)

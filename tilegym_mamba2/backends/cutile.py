@@ -167,5 +167,11 @@ def mamba_chunk_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, d
                                       dt_limit, backend="cutile")
 
 
+def _checked_scan_combined_backward(*args):
+    """Autograd's backward of the layer op: the forward checked these arguments."""
+    with compile_errors_explained():
+        return scan_combined_backward(lambda dtype: KERNELS, *args, backend="cutile", checked=True)
+
+
 provide("cutile", BackendOps(chunk_forward_kernels, mamba2_chunk_backward, scan_combined_kernels,
-                             mamba_chunk_scan_combined_backward))
+                             _checked_scan_combined_backward))

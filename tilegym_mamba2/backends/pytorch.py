@@ -151,5 +151,10 @@ def rms_norm_pytorch(x, weight, gate=None, eps=1e-6, group_size=None):
     return rms_norm_reference(check_rms_norm_args(x, weight, gate, eps, group_size, backend="pytorch"))
 
 
+def _checked_scan_combined_backward(*args):
+    """Autograd's backward of the layer op: the forward checked these arguments."""
+    return scan_combined_backward(kernels_for, *args, backend="pytorch", checked=True)
+
+
 provide("pytorch", BackendOps(chunk_forward_reference, mamba2_chunk_backward_pytorch, scan_combined_reference,
-                              mamba_chunk_scan_combined_backward_pytorch))
+                              _checked_scan_combined_backward))
