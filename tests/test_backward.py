@@ -251,29 +251,31 @@ def test_layer_autograd_loss_of_some_outputs(used, monkeypatch):
         assert torch.isfinite(leaf.grad).all() and rel(leaf.grad, want) < 1e-4, (name, rel(leaf.grad, want))
 
 
-def test_layer_autograd_backward_checks_nothing_again(monkeypatch):
-    """Through autograd the backward takes the arguments its forward checked (reading packed
-    offsets back again would wait for the device); the public backward op checks them, and both
-    give the same gradients."""
-    from tilegym_mamba2 import backward
+def test_layer_autograd_checks_its_arguments_once(monkeypatch):
+    """A training step checks the layer op's tensors once, in the forward (a packed call's checks
+    read its offsets back from the device, and each read waits for the queued work); the backward
+    takes the arguments its forward checked. The public backward op checks them, and both give
+    the same gradients."""
+    from tilegym_mamba2.core import validation
     checks = []
-    original = backward.check_scan_combined_args
-    monkeypatch.setattr(backward, "check_scan_combined_args", lambda *a, **k: checks.append(1) or original(*a, **k))
+    original = validation._check_packing
+    monkeypatch.setattr(validation, "_check_packing", lambda *a: checks.append(1) or original(*a))
     t = {k: v.float() for k, v in layer_inputs(6, 1, 50).items()}
     cu_seqlens = cu(11, 50)
     leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
     kw = dict(leaves)
     out = tilegym_mamba2.mamba_chunk_scan_combined(kw.pop("x"), kw.pop("dt"), kw.pop("A"), kw.pop("B"), kw.pop("C"),
                                                    16, **kw, cu_seqlens=cu_seqlens, dt_softplus=True)
+    assert checks == [1]
     dout = torch.randn(out.shape)
     out.backward(dout)
-    assert checks == []
+    assert checks == [1]
     import tilegym
     args = dict(t)
     explicit = tilegym.ops.mamba2_chunk_scan_combined_backward(
         dout, torch.zeros(1, 4, 6, 8), None, args.pop("x"), args.pop("dt"), args.pop("A"), args.pop("B"),
         args.pop("C"), 16, **args, cu_seqlens=cu_seqlens, dt_softplus=True, backend="pytorch")
-    assert checks == [1]
+    assert checks == [1, 1]
     for (name, leaf), want in zip(leaves.items(), explicit):   # both in the order x, dt, A, B, C, D, z, dt_bias
         assert torch.equal(leaf.grad, want), name
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .core.packing import scan_returns
-from .core.validation import check_scan_combined_args
+from .core.validation import check_scan_flags
 
 _NONE = ()  # custom ops return tensors only: an empty tensor stands for "no gradient"
 
@@ -260,9 +260,11 @@ def differentiable_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size, back
 def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                  dt_softplus, dt_limit, return_final_states, return_varlen_states, backend):
     op = scan_combined
-    if not torch.compiler.is_compiling():  # float(dt_limit[i]) below must not meet a malformed dt_limit
-        check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                                 dt_softplus, dt_limit, return_final_states, return_varlen_states, backend=backend)
+    if not torch.compiler.is_compiling():
+        # float(dt_limit[i]) below must not meet a malformed dt_limit, nor scan_returns a flag that
+        # is not a bool; the tensors are checked once, by the backend inside the Function (a
+        # packed call's checks read its offsets back from the device: a second check waits twice).
+        check_scan_flags(dt_softplus, dt_limit, return_final_states, return_varlen_states)
         op = _EagerScanCombined.apply
     out, final_states, varlen = op(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                    dt_softplus, float(dt_limit[0]), float(dt_limit[1]), return_varlen_states, backend)

@@ -233,6 +233,20 @@ class ScanCombinedArgs(NamedTuple):
     return_varlen_states: bool
 
 
+def check_scan_flags(dt_softplus, dt_limit, return_final_states, return_varlen_states) -> None:
+    """The layer op's arguments that are not tensors (the rest of check_scan_combined_args' checks
+    run where the tensors are used)."""
+    if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in dt_limit)):
+        raise TypeError(f"dt_limit must be a pair of numbers (low, high), got {dt_limit!r}")
+    if not dt_limit[0] <= dt_limit[1]:
+        raise ValueError(f"dt_limit must have low <= high, got {tuple(dt_limit)}")
+    for name, flag in (("dt_softplus", dt_softplus), ("return_final_states", return_final_states),
+                       ("return_varlen_states", return_varlen_states)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+
 def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                              return_final_states=False, return_varlen_states=False, *,
@@ -258,15 +272,7 @@ def check_scan_combined_args(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
         _expect_tensor("dt_bias", dt_bias)
         _expect_shape("dt_bias", dt_bias, (heads,), "[heads]")
         _expect_float("dt_bias", dt_bias)
-    if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in dt_limit)):
-        raise TypeError(f"dt_limit must be a pair of numbers (low, high), got {dt_limit!r}")
-    if not dt_limit[0] <= dt_limit[1]:
-        raise ValueError(f"dt_limit must have low <= high, got {tuple(dt_limit)}")
-    for name, flag in (("dt_softplus", dt_softplus), ("return_final_states", return_final_states),
-                       ("return_varlen_states", return_varlen_states)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_scan_flags(dt_softplus, dt_limit, return_final_states, return_varlen_states)
 
     if return_varlen_states and cu_seqlens is None:
         raise ValueError("return_varlen_states=True needs cu_seqlens, the sequences' start offsets")
