@@ -189,8 +189,10 @@ def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
         if outproj_bias is not None:
             raise ValueError("outproj_bias needs outproj_weight")
     elif outproj_weight.ndim != 2 or outproj_weight.shape[1] != dim + extra // 2:
-        raise ValueError(f"outproj_weight must be [out_dim, {dim + extra // 2}], got shape "
-                         f"{tuple(outproj_weight.shape)}")
+        # Its width is dim + d_nonssm, and d_nonssm comes from zxbcdt: either may be the one at fault.
+        raise ValueError(f"outproj_weight must be [out_dim, dim + d_nonssm] = [out_dim, {dim + extra // 2}] with "
+                         f"d_nonssm = {extra // 2} from zxbcdt's last dimension ({zxbcdt.shape[2]}), got shape "
+                         f"{tuple(outproj_weight.shape)}: one of outproj_weight and zxbcdt is the wrong width")
     elif outproj_bias is not None and tuple(outproj_bias.shape) != (outproj_weight.shape[0],):
         raise ValueError(f"outproj_bias must be [out_dim] = ({outproj_weight.shape[0]},) (outproj_weight's rows), "
                          f"got shape {tuple(outproj_bias.shape)}")
