@@ -80,8 +80,7 @@ def _gpu_memory_returned(request):
     keep a test's peak reserved in its worker for the rest of the run: 14 workers on an 80 GB
     card then held 79 GB between them (one 19.7 GB, one 14.9 GB) and 15 tests failed for want
     of memory. The test's peak is reported at the end (pytest_terminal_summary)."""
-    tracked = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if tracked:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
     yield
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -190,7 +190,7 @@ def _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=scan_combine
     dout, dfinal_states = _zeros_for_unused(x, B, dout, dfinal_states)
     # varlen states the loss left out stay None (eager calls): a gradient for them, even of
     # zeros, takes the backward's per-sequence edge terms.
-    if not ctx.return_varlen_states or dvarlen_states is None:
+    if not ctx.return_varlen_states:
         dvarlen_states = None
     grads = backward(
         dout.contiguous(), dfinal_states.contiguous(),

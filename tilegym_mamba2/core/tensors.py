@@ -8,6 +8,11 @@ import torch
 LOG2E = math.log2(math.e)
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): tile sizes, tuning buckets."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def compute_dtype(*tensors) -> torch.dtype:
     """The dtype the PyTorch paths compute in: float64 when any input is float64, else float32."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32

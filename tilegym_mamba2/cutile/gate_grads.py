@@ -15,6 +15,7 @@ the whole head_size (a power-of-two tile, padded); D [heads, head_size] is gathe
 import cuda.tile as ct
 import torch
 
+from ..core.tensors import pow2_at_least
 from .launch import launch, new_output
 
 ELEMENTS_PER_BLOCK = 4096
@@ -59,7 +60,7 @@ def _rows(t):
 
 
 def _tiles(rows, width):
-    width_tile = 1 << max(0, (width - 1).bit_length())
+    width_tile = pow2_at_least(width)
     rows_tile = max(1, min(128, ELEMENTS_PER_BLOCK // width_tile))
     return (-(-rows // rows_tile), 1, 1), rows_tile, width_tile
 

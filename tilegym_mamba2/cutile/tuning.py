@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..core.tensors import pow2_at_least
 from .config_store import read_entries, write_entry
 
 # 64-token chunks run compute_out 2x faster than 128 on the H200 (the [chunk, chunk] score tile
@@ -133,9 +134,7 @@ def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_s
                layer=False) -> str:
     """Shapes that share a key share a config: batch*heads and tokens by power of two. The
     layer op, which tunes on itself, has keys of its own."""
-    def pow2(n):
-        return 1 << max(0, (n - 1).bit_length())
-    return (f"{gpu}|{str(dtype).removeprefix('torch.')}|bh{pow2(batch * heads)}|t{pow2(tokens)}"
+    return (f"{gpu}|{str(dtype).removeprefix('torch.')}|bh{pow2_at_least(batch * heads)}|t{pow2_at_least(tokens)}"
             f"|hpg{heads // groups}|P{head_size}|N{state_size}|L{chunk_size}" + ("|layer" if layer else ""))
 
 
@@ -233,7 +232,7 @@ def whole_row_chunks(batch, tokens, heads, head_size, config: Config, device=Non
     walk whole rows and the state pass is skipped), or None where those blocks would leave SMs
     idle on a long row. Tokens are bucketed by power of two, so the length covers the bucket's
     longest row."""
-    longest = 1 << max(0, (tokens - 1).bit_length())
+    longest = pow2_at_least(tokens)
     fills_gpu = batch * heads * (head_size // config.out_head_tile) >= _multiprocessor_count(device)
     if not fills_gpu and longest > SHORT_ROW_TOKENS:
         return None

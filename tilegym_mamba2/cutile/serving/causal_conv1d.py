@@ -15,6 +15,7 @@ the final states, the last width - 1 inputs.
 import cuda.tile as ct
 
 from ...core.serving_validation import check_conv_args
+from ...core.tensors import pow2_at_least
 from ..launch import launch, new_output
 
 MAX_HISTORY = 4  # width - 1 <= 3, padded to a power of two
@@ -106,5 +107,5 @@ def run_conv(args):
 
 def tiles_for(tokens, dim):
     """-> (token_tile, dim_tile): 64 x 64 tiles, fewer tokens for short inputs."""
-    token_tile = min(64, 1 << max(0, (tokens - 1).bit_length()))
+    token_tile = min(64, pow2_at_least(tokens))
     return token_tile, 64

@@ -15,6 +15,7 @@ written).
 import cuda.tile as ct
 
 from ...core.serving_validation import check_conv_update_args, conv_update_args
+from ...core.tensors import pow2_at_least
 from .. import plan
 from ..launch import launch, new_output
 
@@ -124,7 +125,7 @@ def launch_plan(args):
     """Checked arguments -> (grid, the kernel's constants): all that their shapes and flags settle."""
     x, conv_state, weight, bias, silu, cache_seqlens, indices, _ = args
     batch, dim, tokens = x.shape
-    token_tile, state_tile = _pow2(tokens), _pow2(conv_state.shape[2])
+    token_tile, state_tile = pow2_at_least(tokens), pow2_at_least(conv_state.shape[2])
     dim_tile = dim_tile_for(batch, dim, token_tile, state_tile)
     return (batch, -(-dim // dim_tile)), (weight.shape[1], token_tile, dim_tile, state_tile, bias is not None,
                                           cache_seqlens is not None, indices is not None, silu)
@@ -152,7 +153,3 @@ def dim_tile_for(batch, dim, token_tile, state_tile):
     while tile > 16 and tile * size * size > 16384:
         tile //= 2
     return tile
-
-
-def _pow2(n):
-    return 1 << max(0, (n - 1).bit_length())

@@ -18,6 +18,7 @@ torch's modules and mamba_ssm's in docs/performance.md).
 import cuda.tile as ct
 
 from ...core.serving_validation import check_rms_norm_args, rms_norm_args
+from ...core.tensors import pow2_at_least
 from .. import plan
 from ..launch import launch, new_output
 
@@ -91,7 +92,7 @@ def launch_plan(args, width_tile=None, rows_tile=None):
     the measured choices (module docstring)."""
     rows, width = args.x.shape
     if width_tile is None:
-        width_tile = _pow2(width) if _pow2(width) <= SINGLE_TILE_MAX else WALK_TILE
+        width_tile = pow2_at_least(width) if pow2_at_least(width) <= SINGLE_TILE_MAX else WALK_TILE
     if rows_tile is None:
         # Short rows: several a block, or the blocks are too short to hide their latency.
         rows_tile = 1 if rows < MANY_ROWS or width_tile == WALK_TILE else max(1, min(16, 16384 // width_tile))
@@ -105,7 +106,3 @@ def run_rms_norm(args, settled=None):
     out = new_output(*args.x.shape, dtype=args.out_dtype, device=args.x.device)
     launch(grid, rms_norm_kernel, (args.x, args.x if args.gate is None else args.gate, args.weight, out, *constants))
     return out.reshape(args.shape)
-
-
-def _pow2(n):
-    return 1 << max(0, (n - 1).bit_length())

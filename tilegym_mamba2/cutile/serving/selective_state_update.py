@@ -16,6 +16,7 @@ a padding row: its output is zeros and its block reads and writes no state.
 import cuda.tile as ct
 
 from ...core.serving_validation import check_state_update_args, state_update_args
+from ...core.tensors import pow2_at_least
 from .. import plan
 from ..chunk_cumsum import SOFTPLUS_THRESHOLD, _log1p
 from ..launch import launch, new_output
@@ -184,13 +185,9 @@ def tiles_for(head_size, state_size):
     enough rows for 2048 elements per block (8 KiB of fp32 state). At 8 blocks per SM this moved
     the state at 3.3-3.5 TB/s on the H200 from batch 64 on, where 4096-element blocks at the
     default occupancy moved it at 1.4 TB/s."""
-    state_tile = _pow2(state_size)
-    head_tile = max(1, min(_pow2(head_size), 2048 // state_tile))
+    state_tile = pow2_at_least(state_size)
+    head_tile = max(1, min(pow2_at_least(head_size), 2048 // state_tile))
     return head_tile, state_tile
-
-
-def _pow2(n):
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _constant_over(t, dim):
