@@ -16,6 +16,10 @@ MODE:
                 (2, 8192, 1, 80, 128, 64), as `bench --backward` times it
   second_shape  the backward mode's call after the same call on the source config in this
                 process: what a second shape compiles again
+  shape B,T,G,H,N,P[,CHUNK[,DTYPE]]
+                mamba2_chunk_forward on that shape (chunk 256 and bf16 unless given); with
+                --then T2, the first call of T2 tokens after it, same process: a new token count
+                once the model's dimensions are known; with --backward, forward then backward
 It prints one line: the import time, the first call's seconds (forward and backward apart in
 the backward modes), the second call's, how many kernel compiles ran and how long, how many of
 them ran tileiras (the rest were disk-cache hits), and the compiled kernels' names.
@@ -68,8 +72,8 @@ def watch_compiles():
     return compiles, tileiras_runs, names
 
 
-def shape_op(shape, backward, forward_seconds):
-    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=256, device="cuda")
+def shape_op(shape, backward, forward_seconds, chunk_size=256, dtype=torch.bfloat16):
+    spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=chunk_size, dtype=dtype, device="cuda")
     inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
     if not backward:
         return lambda: tilegym_mamba2.mamba2_chunk_forward(**inputs)
@@ -84,14 +88,33 @@ def shape_op(shape, backward, forward_seconds):
     return forward_then_backward
 
 
-def main(mode, profile=False):
-    if mode not in ("layer", *SHAPES):
-        sys.exit(f"mode: one of layer {' '.join(SHAPES)}")
+def parse_shape(text):
+    """'B,T,G,H,N,P[,CHUNK[,DTYPE]]' -> (shape, chunk_size, dtype)."""
+    parts = text.split(",")
+    shape = tuple(int(v) for v in parts[:6])
+    chunk = int(parts[6]) if len(parts) > 6 else 256
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(parts[7], parts[7])) \
+        if len(parts) > 7 else torch.bfloat16
+    return shape, chunk, dtype
+
+
+def main(mode, profile=False, shape_text=None, then_tokens=None, backward=False):
+    if mode not in ("layer", "shape", *SHAPES):
+        sys.exit(f"mode: one of layer shape {' '.join(SHAPES)}")
     compiles, tileiras_runs, compiled = watch_compiles()
     forward_seconds = []
     if mode == "layer":
         args, _ = layer_inputs(LAYER_CASES[0])
         op = lambda: tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=256, backend="cutile")  # noqa: E731
+    elif mode == "shape":
+        shape, chunk, dtype = parse_shape(shape_text)
+        if then_tokens is not None:
+            shape_op(shape, backward, forward_seconds, chunk, dtype)()
+            torch.cuda.synchronize()
+            for log in (compiles, tileiras_runs, compiled, forward_seconds):
+                log.clear()
+            shape = (shape[0], then_tokens, *shape[2:])
+        op = shape_op(shape, backward, forward_seconds, chunk, dtype)
     else:
         backward = mode in ("backward", "second_shape")
         if mode == "second_shape":
@@ -115,7 +138,9 @@ def main(mode, profile=False):
     second = time.perf_counter() - start
     split = (f" (forward {forward_seconds[0]:.2f} s, backward {first - forward_seconds[0]:.2f} s)"
              if forward_seconds else "")
-    print(f"{mode}: import {IMPORT_SECONDS:.2f} s, first call {first:.2f} s{split}, second call {second:.4f} s; "
+    label = mode if mode != "shape" else (f"shape {shape_text}" + (f" then T={then_tokens}" if then_tokens else "")
+                                          + (" forward+backward" if backward else ""))
+    print(f"{label}: import {IMPORT_SECONDS:.2f} s, first call {first:.2f} s{split}, second call {second:.4f} s; "
           f"{len(compiles)} kernel compiles took {sum(compiles):.2f} s, {len(tileiras_runs)} of them ran tileiras "
           f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
     if profiler:
@@ -127,4 +152,8 @@ def main(mode, profile=False):
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(sys.argv[1], profile="--profile" in sys.argv[2:])
+    rest = sys.argv[2:]
+    shape_text = rest.pop(0) if sys.argv[1] == "shape" and rest else None
+    then = int(rest[rest.index("--then") + 1]) if "--then" in rest else None
+    main(sys.argv[1], profile="--profile" in rest, shape_text=shape_text, then_tokens=then,
+         backward="--backward" in rest)

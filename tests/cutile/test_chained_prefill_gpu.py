@@ -98,11 +98,12 @@ def test_a_settled_chained_choice_is_captured_and_replays_the_eager_bits(tmp_pat
     also replayed on a second stream while the eager path runs on the first."""
     from tilegym_mamba2.cutile.chained_prefill import _workspaces
     monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "all")  # the one-launch path is taken only where asked for
     plan.forget()
     _workspaces.clear()
     spec, inputs = sample(1, 2048, 1, 32, 128, 64, torch.bfloat16, True)
     base = choose_config(1, 2048, 1, 32, 64, 128, 128)
-    ConfigCache().put(bucket_key(torch.cuda.get_device_name(), torch.bfloat16, 1, 2048, 32, 1, 64, 128, 128),
+    ConfigCache().put(bucket_key(torch.cuda.get_device_name(), torch.bfloat16, 1, 2048, 32, 1, 64, 128),
                       chained_config(base, 4))
     args = forward_inputs(inputs)
     eager = [t.clone() for t in tilegym_mamba2.mamba2_chunk_forward(**args)]

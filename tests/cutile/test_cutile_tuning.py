@@ -5,12 +5,16 @@ from dataclasses import replace
 
 import torch
 
-from tilegym_mamba2.cutile.tuning import (MEASURE_ROUNDS, ConfigCache, bucket_key, candidates, choose_config,
-                                          tuned_config, whole_row_chunks)
+from tilegym_mamba2.cutile import tuning
+from tilegym_mamba2.cutile.tuning import (MEASURE_ROUNDS, ConfigCache, bucket_key, candidates, chained_config,
+                                          choose_config, config_from_entry, tuned_config, whole_row_chunks)
+
+
+GPU = "a GPU without shipped choices"  # the tests' buckets never meet the shipped table
 
 
 def key(tokens, batch=4, heads=8):
-    return bucket_key("NVIDIA H200", torch.bfloat16, batch, tokens, heads, 1, 64, 128, 128)
+    return bucket_key(GPU, torch.bfloat16, batch, tokens, heads, 1, 64, 128)
 
 
 class FakeTimer:
@@ -32,10 +36,10 @@ def test_same_bucket_for_token_counts_up_to_the_next_power_of_two():
     assert key(16385) != key(16384)
     assert key(16384, batch=3) == key(16384)                # batch*heads by power of two
     assert key(16384, batch=8) != key(16384)
-    assert bucket_key("NVIDIA H100", torch.bfloat16, 4, 16384, 8, 1, 64, 128, 128) != key(16384)
-    assert bucket_key("NVIDIA H200", torch.float16, 4, 16384, 8, 1, 64, 128, 128) != key(16384)
+    assert bucket_key("NVIDIA H100", torch.bfloat16, 4, 16384, 8, 1, 64, 128) != key(16384)
+    assert bucket_key(GPU, torch.float16, 4, 16384, 8, 1, 64, 128) != key(16384)
     # the layer op times itself, so its choices are kept apart from the plain op's
-    assert bucket_key("NVIDIA H200", torch.bfloat16, 4, 16384, 8, 1, 64, 128, 128, layer=True) != key(16384)
+    assert bucket_key(GPU, torch.bfloat16, 4, 16384, 8, 1, 64, 128, layer=True) != key(16384)
 
 
 def test_candidates_vary_only_the_runtime_segment_length():
@@ -184,3 +188,55 @@ def test_a_saved_one_launch_choice_is_read_back_only_where_it_is_offered(tmp_pat
     # a caller the path is not offered to gets the heuristic, not a config it cannot run
     assert tuned_config(key(2048, batch=1, heads=32), prefill, FakeTimer(best=1), tune=False,
                         cache=ConfigCache(path)) == prefill
+
+
+def test_shipped_choices_stand_in_where_the_users_file_has_none(tmp_path, monkeypatch):
+    """A bucket measured on the H200 and shipped is taken without timing; the user's own file,
+    where it has the bucket, comes first."""
+    shipped = replace(BASE, chunks_per_segment=3 * BASE.chunks_per_segment)
+    monkeypatch.setattr(tuning, "shipped_entries", lambda: {key(8192): vars(shipped)})
+    timer = FakeTimer(best=1)
+    path = str(tmp_path / "configs.json")
+    got = tuned_config(key(8192), BASE, timer, tune=True, cache=ConfigCache(path))
+    assert got.chunks_per_segment == shipped.chunks_per_segment and timer.calls == 0
+    own = replace(BASE, chunks_per_segment=5)
+    ConfigCache(path).put(key(8192), own)
+    assert tuned_config(key(8192), BASE, timer, tune=True, cache=ConfigCache(path)).chunks_per_segment == 5
+    fresh = tuned_config(key(8192), BASE, timer, tune=True, cache=ConfigCache(str(tmp_path / "b.json"), shipped=False),
+                         log=lambda m: None)  # what benchmarks/tune_table.py measures with
+    assert timer.calls == MEASURE_ROUNDS * len(candidates(BASE)) and fresh.chunks_per_segment != shipped.chunks_per_segment
+
+
+def test_the_shipped_table_is_valid_and_installed():
+    """Every shipped entry is a Config this version reads, never the chained path (its compile is
+    what a first call must not pay), under a key of bucket_key's form; setup.cfg installs the file."""
+    import configparser
+    import os
+    import re
+    table = tuning.shipped_entries()
+    assert table, "shipped_configs.json is missing or empty"
+    form = re.compile(r"^[^|]+\|(bfloat16|float16|float32)\|bh\d+\|t\d+\|hpg\d+\|P\d+\|N\d+(\|layer)?$")
+    for name, entry in table.items():
+        config = config_from_entry(entry)
+        assert config is not None and not config.chained, name
+        assert form.match(name), name
+    setup = configparser.ConfigParser()
+    setup.read(os.path.join(os.path.dirname(__file__), "..", "..", "setup.cfg"))
+    assert os.path.basename(tuning.SHIPPED_CONFIGS) in setup["options.package_data"]["tilegym_mamba2.cutile"]
+
+
+def test_a_saved_chained_choice_counts_only_where_the_chained_path_is_wanted(tmp_path, monkeypatch):
+    """A bucket saved with the one-launch path (TILEGYM_MAMBA2_TUNE=all, or an older version) is
+    measured again without it by default: that path compiles for ~30 s per new token count."""
+    path = str(tmp_path / "configs.json")
+    ConfigCache(path).put(key(2048), chained_config(BASE, 4))
+    timer = FakeTimer(best=BASE.chunks_per_segment)
+    assert tuned_config(key(2048), BASE, timer, tune=True, chained=True, cache=ConfigCache(path)).chained
+    assert timer.calls == 0
+    assert tuned_config(key(2048), BASE, timer, tune=False, cache=ConfigCache(path)) == BASE
+    again = tuned_config(key(2048), BASE, timer, tune=True, cache=ConfigCache(path), log=lambda m: None)
+    assert not again.chained and timer.calls == MEASURE_ROUNDS * len(candidates(BASE))
+    monkeypatch.delenv("TILEGYM_MAMBA2_TUNE", raising=False)
+    assert not tuning.chained_wanted()
+    monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "all")
+    assert tuning.chained_wanted() and tuning.tuning_enabled()

@@ -17,7 +17,7 @@ from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
 from .launch import new_output
-from .tuning import (Config, bucket_key, chained_fits, choose_config, segment_count, tuned_config,
+from .tuning import (Config, bucket_key, chained_fits, chained_wanted, choose_config, segment_count, tuned_config,
                      tuning_switches, whole_row_chunks)
 
 
@@ -88,7 +88,7 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
     groups, state_size = b.shape[2], b.shape[3]
     base = choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_size, x.device)
     key = bucket_key(torch.cuda.get_device_name(x.device), x.dtype, batch, tokens, heads, groups,
-                     head_size, state_size, chunk_size, layer=layer)
+                     head_size, state_size, layer=layer)
     # Whole rows for the plain op only: the layer op timed them slowest of its candidates.
     whole_row = None if layer else whole_row_chunks(batch, tokens, heads, head_size, base, x.device)
     if run_candidate is None:
@@ -96,7 +96,7 @@ def config_for(x, a, b, c, d, dt, init_state, chunk_size, *, tune: bool | None =
             d = torch.zeros(heads, device=x.device)
         args = (x, a, b, c, d, dt, init_state, chunk_size)
         run_candidate = lambda config: run_stages(*args, config=config)  # noqa: E731
-    chained = not layer and chained_fits(tokens, state_size, x.dtype)
+    chained = not layer and chained_wanted() and chained_fits(tokens, state_size, x.dtype)
     config = tuned_config(key, base, lambda config: _milliseconds(lambda: run_candidate(config)), tune=tune,
                           whole_row=whole_row, chained=chained)
     plan.remember(memo_key, config)  # not during capture: there the heuristic stands in

@@ -87,11 +87,16 @@ def _multiprocessor_count(device) -> int:
 # Only the segment length is searched at call time: it is a runtime argument of the kernels,
 # so trying three values compiles nothing more and costs a few milliseconds. The winner is
 # kept per (GPU, dtype, size bucket) in memory and in a JSON file, so a new token count in
-# the same bucket, or a new process, tunes nothing again.
+# the same bucket, or a new process, tunes nothing again. Choices measured on the H200 ship
+# with the package (shipped_configs.json, written by benchmarks/tune_table.py); a user's own
+# file comes first.
 #
-#   TILEGYM_MAMBA2_TUNE=0           never measure: a choice already saved for the bucket, else the
+#   TILEGYM_MAMBA2_TUNE=0           never measure: a choice saved or shipped for the bucket, else the
 #                                   heuristic (default: measure on the
 #                                   first call of a new bucket; GPU-tested, tests/cutile/test_cutile_gpu.py)
+#   TILEGYM_MAMBA2_TUNE=all         also time the one-launch chained path where it fits: its kernel
+#                                   compiles for ~30 s per new token-count class (cuTile specializes on
+#                                   a dimension's divisibility), beyond what a first call may take
 #   TILEGYM_MAMBA2_CACHE_DIR=path   where configs.json lives (default ~/.cache/tilegym-mamba2)
 
 
@@ -100,6 +105,12 @@ def tuning_enabled() -> bool:
         return False
     # Timing synchronizes the device, which is not allowed while a CUDA graph is being captured.
     return not capturing()
+
+
+def chained_wanted() -> bool:
+    """Whether the one-launch chained path may be chosen (TILEGYM_MAMBA2_TUNE=all): measured, it
+    saves 0.02-0.04 ms a call on short rows and costs 31-33 s of compile per token-count class."""
+    return os.environ.get("TILEGYM_MAMBA2_TUNE") == "all"
 
 
 def capturing() -> bool:
@@ -130,20 +141,31 @@ def cache_path() -> str:
     return os.path.join(root, "configs.json")
 
 
-def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_size, chunk_size,
-               layer=False) -> str:
+def bucket_key(gpu: str, dtype, batch, tokens, heads, groups, head_size, state_size, layer=False) -> str:
     """Shapes that share a key share a config: batch*heads and tokens by power of two. The
-    layer op, which tunes on itself, has keys of its own."""
+    requested chunk length is not part of it: the kernels run their own (KERNEL_CHUNK, or the
+    chained path's). The layer op, which tunes on itself, has keys of its own."""
     return (f"{gpu}|{str(dtype).removeprefix('torch.')}|bh{pow2_at_least(batch * heads)}|t{pow2_at_least(tokens)}"
-            f"|hpg{heads // groups}|P{head_size}|N{state_size}|L{chunk_size}" + ("|layer" if layer else ""))
+            f"|hpg{heads // groups}|P{head_size}|N{state_size}" + ("|layer" if layer else ""))
+
+
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(__file__), "shipped_configs.json")
+
+
+@functools.cache
+def shipped_entries() -> dict:
+    """The choices measured on the H200 that ship with the package (benchmarks/tune_table.py)."""
+    return read_entries(SHIPPED_CONFIGS)
 
 
 class ConfigCache:
     """configs.json (config_store.py): bucket key -> the measured Config. Read once; each new entry
-    is merged into the file under a lock. Entries that are not a valid Config are ignored."""
+    is merged into the file under a lock. Entries that are not a valid Config are ignored. A key
+    the file lacks is looked up in the shipped choices (``shipped=False``: the file alone)."""
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None, shipped: bool = True):
         self.path = path or cache_path()
+        self.shipped = shipped
         self._entries = None
 
     def _load(self) -> dict:
@@ -152,7 +174,10 @@ class ConfigCache:
         return self._entries
 
     def get(self, key: str) -> Config | None:
-        return config_from_entry(self._load().get(key))
+        found = config_from_entry(self._load().get(key))
+        if found is None and self.shipped:
+            found = config_from_entry(shipped_entries().get(key))
+        return found
 
     def put(self, key: str, config: Config) -> None:
         self._load()[key] = asdict(config)
@@ -252,11 +277,13 @@ def tuned_config(key: str, base: Config, measure, *, tune: bool | None = None,
     (config -> milliseconds), saved; else ``base``."""
     cache = cache or _default_cache()
     found = cache.get(key)
+    if found is not None and found.chained and not chained:
+        found = None  # chosen where the chained path was allowed: measure again without it
     if found is not None:
         # Only the segment length (and the one-launch path) was measured; the rest follows the
         # current heuristic, so a cache written by an older version does not pin its tile choices.
         if found.chained:
-            return chained_config(base, found.chunks_per_segment) if chained else base
+            return chained_config(base, found.chunks_per_segment)
         return replace(base, chunks_per_segment=found.chunks_per_segment)
     if not (tuning_enabled() if tune is None else tune):
         return base
