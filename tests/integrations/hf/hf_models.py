@@ -67,3 +67,28 @@ def cache_tensors(cache):
 def assert_logits_close(ours, ref, tol=1e-4):
     err = (ours.float() - ref.float()).abs().max().item()
     assert err <= tol * max(1.0, ref.abs().max().item()), f"max |ours - torch path| = {err}"
+
+
+# Tiny random configs of the hybrids the patch supports (transformers' own classes).
+HYBRIDS = {
+    "bamba": lambda: transformers.BambaConfig(
+        num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+        mamba_d_state=16, mamba_chunk_size=16, **HYBRID_COMMON),
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(
+        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+        mamba_d_state=16, mamba_chunk_size=16, **HYBRID_COMMON),
+    "nemotron_h": lambda: transformers.NemotronHConfig(
+        num_hidden_layers=3, layers_block_type=["mamba", "attention", "mamba"], head_dim=16, ssm_state_size=16,
+        mamba_num_heads=4, mamba_n_groups=2, mamba_head_dim=16, mamba_chunk_size=16, **HYBRID_COMMON),
+    "zamba2": lambda: transformers.Zamba2Config(
+        num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
+        mamba_ngroups=2, chunk_size=16, num_mem_blocks=1, adapter_rank=8, use_mem_rope=True, **HYBRID_COMMON),
+}
+FALCON_H1 = lambda **kw: transformers.FalconH1Config(  # noqa: E731
+    num_hidden_layers=2, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+    mamba_chunk_size=16, **kw, **HYBRID_COMMON)
+HYBRIDS_5_17 = {"falcon_h1": lambda: FALCON_H1(), "falcon_h1-rmsnorm": lambda: FALCON_H1(mamba_rms_norm=True)}
+PROMPT_BATCH = {"falcon_h1-rmsnorm": 1}
+HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)

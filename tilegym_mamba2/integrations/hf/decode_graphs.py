@@ -20,34 +20,71 @@ per batch-size bucket and replayed: the host then costs one input copy and one r
   (layers x batch x (conv_dim x kernel + heads x head_dim x state) in the cache's dtype) and the
   step's activations, from one memory pool that every bucket shares.
 
+- **Hybrids** (Bamba, GraniteMoeHybrid, NemotronH, Zamba2 on transformers 5.3's hybrid caches):
+  the bucket's cache keeps the attention layers' keys and values in buffers of a maximum length
+  (static_kv.py), written in place at the step's position and read through a mask built in the
+  graph from the generation's attention mask. The length is ``max_cache_len`` when given (a step
+  past it runs eagerly), else twice the tokens of the cache it first takes, rounded up to a power of
+  two, at least 256; a generation that reaches it gets a new bucket cache of twice its tokens,
+  rounded up likewise (and, on a GPU, a new capture).
+
 Not graphed (the eager path runs): training, autograd recording, inputs_embeds, more than one new
-token, batch above the largest bucket, output_hidden_states, labels, non-CUDA models. Hybrids are
-refused: their attention layers' KV caches grow by concatenation every step, and a graph replays
-fixed shapes and addresses.
+token, batch above the largest bucket, output_hidden_states, labels, non-CUDA models.
 """
+import contextlib
 import inspect
-import sys
 
 import torch
 
+from ...core.tensors import pow2_at_least
+from .static_kv import StaticHybridCache, is_hybrid_cache, kv_length
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+HYBRIDS = {"BambaForCausalLM": "HybridMambaAttentionDynamicCache",
+           "GraniteMoeHybridForCausalLM": "HybridMambaAttentionDynamicCache",
+           "NemotronHForCausalLM": "NemotronHHybridDynamicCache", "Zamba2ForCausalLM": "Zamba2HybridDynamicCache"}
+MIN_KV_SLOTS = 256
 _PREFILLED = "_tilegym_mamba2_prefilled"
 _RUNNER = "_tilegym_mamba2_decode_graphs"
 
 
-def enable_decode_graphs(model, buckets=BUCKETS):
-    """Decode steps of ``model`` (a Mamba2ForCausalLM on CUDA) through CUDA graphs, one per batch
-    bucket (a batch runs in the smallest bucket that holds it). ``model.generate`` keeps its
-    interface. Calling it again replaces the buckets; ``disable_decode_graphs`` frees the graphs."""
-    if type(model).__name__ != "Mamba2ForCausalLM":
-        raise ValueError(f"decode graphs take a transformers Mamba2ForCausalLM, got {type(model).__name__} "
-                         "(a hybrid's attention layers grow their KV cache every step, which a graph cannot replay)")
+def enable_decode_graphs(model, buckets=BUCKETS, max_cache_len=None):
+    """Decode steps of ``model`` (a Mamba2ForCausalLM, or a hybrid of HYBRIDS, on CUDA) through CUDA
+    graphs, one per batch bucket (a batch runs in the smallest bucket that holds it).
+    ``model.generate`` keeps its interface. ``max_cache_len``: the hybrids' key/value slots per
+    sequence (see the module's docstring). Calling it again replaces the buckets;
+    ``disable_decode_graphs`` frees the graphs."""
+    check_graphable(model, graphs=True)
     if next(model.parameters()).device.type != "cuda":
         raise ValueError("decode graphs need the model on a CUDA device (model.cuda())")
     disable_decode_graphs(model)
-    runner = DecodeGraphs(model, buckets)
+    runner = DecodeGraphs(model, buckets, max_cache_len=max_cache_len)
     setattr(model, _RUNNER, runner)
     model.forward = runner
+
+
+def check_graphable(model, graphs=True):
+    """Raises ValueError naming why ``model``'s decode step cannot be run on a static cache (or,
+    with ``graphs``, captured)."""
+    name = type(model).__name__
+    if name == "Mamba2ForCausalLM":
+        return
+    if name not in HYBRIDS:
+        raise ValueError(f"decode graphs take a transformers Mamba2ForCausalLM or one of {', '.join(sorted(HYBRIDS))}, "
+                         f"got {name}")
+    import transformers
+    module = inspect.getmodule(type(model))
+    if HYBRIDS[name] not in vars(module):
+        raise ValueError(f"decode graphs for {name} are built on transformers 5.3's {HYBRIDS[name]}, which "
+                         f"transformers {transformers.__version__} does not have")
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"decode graphs read the key/value buffers through a mask: attn_implementation 'sdpa' or "
+                         f"'eager', got {attention!r}")
+    experts = getattr(model.config, "num_local_experts", 0) or ("moe" in getattr(model.config, "layers_block_type", ()))
+    if graphs and experts:
+        raise ValueError(f"{name}'s expert layers read their token counts on the host every step (transformers "
+                         f"{transformers.__version__}), which a CUDA graph cannot capture; decode it eagerly")
 
 
 def disable_decode_graphs(model):
@@ -61,7 +98,7 @@ class DecodeGraphs:
     """``model.forward`` with decode steps replayed from graphs (see the module's docstring).
     ``use_graphs=False`` runs the same static-cache step without capturing it (the CPU tests)."""
 
-    def __init__(self, model, buckets=BUCKETS, use_graphs=True):
+    def __init__(self, model, buckets=BUCKETS, use_graphs=True, max_cache_len=None):
         self.model = model
         self.eager = type(model).forward.__get__(model)
         # generate() reads the forward's parameters (whether to pass logits_to_keep, say).
@@ -69,9 +106,19 @@ class DecodeGraphs:
         self.buckets = sorted(set(int(b) for b in buckets))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {tuple(buckets)}")
+        if max_cache_len is not None and int(max_cache_len) < 1:
+            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         self.use_graphs = use_graphs
         self.steps = {}
         self.pool = None
+        # The decode step's output: the type the eager forward returned (until it has run, the
+        # usual one of the model's family).
+        if type(model).__name__ == "Mamba2ForCausalLM":
+            self.output_type, self.cache_field = inspect.getmodule(type(model)).Mamba2CausalLMOutput, "cache_params"
+        else:
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+            self.output_type, self.cache_field = CausalLMOutputWithPast, "past_key_values"
 
     def release(self):
         for step in self.steps.values():
@@ -80,36 +127,59 @@ class DecodeGraphs:
 
     def __call__(self, *args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache_params = kwargs.get("cache_params")
-        if len(args) > 1 or not self._is_decode_step(input_ids, cache_params, kwargs):
+        cache = kwargs.get("cache_params", kwargs.get("past_key_values"))
+        step = None
+        if len(args) <= 1 and self._is_decode_step(input_ids, cache, kwargs):
+            step = self._step_for(input_ids.shape[0], cache)
+        if step is None:
             out = self.eager(*args, **kwargs)
-            cache = getattr(out, "cache_params", None)
+            self.output_type = type(out)
+            self.cache_field = "cache_params" if hasattr(out, "cache_params") else "past_key_values"
+            cache = getattr(out, self.cache_field, None)
             if cache is not None and kwargs.get("use_cache", True) and not torch.is_grad_enabled():
                 setattr(cache, _PREFILLED, True)
             return out
-        batch = input_ids.shape[0]
+        logits = step.run(input_ids, cache, kwargs)
+        return self.output_type(logits=logits, **{self.cache_field: cache})
+
+    def _step_for(self, batch, cache):
+        """The bucket's step, built on first use; None where this step must run eagerly (a
+        hybrid's cache past ``max_cache_len``)."""
         bucket = next(b for b in self.buckets if b >= batch)
         step = self.steps.get(bucket)
-        if step is None:
-            step = self.steps[bucket] = _Step(self, bucket, cache_params)
-        logits = step.run(input_ids, cache_params)
-        return self._output(logits, cache_params)
+        if not is_hybrid_cache(cache):
+            if step is None:
+                step = self.steps[bucket] = _Step(self, bucket, cache)
+            return step
+        length = step.static.length if step is not None and step.static.bound_to(cache, batch) else kv_length(cache)
+        if step is not None and length < step.static.max_len:
+            return step
+        if self.max_cache_len is not None:
+            if length >= self.max_cache_len:
+                if step is not None:
+                    step.unbind()
+                return None
+            max_len = self.max_cache_len
+        else:
+            max_len = max(MIN_KV_SLOTS, pow2_at_least(2 * (length + 1)))
+        if step is not None:  # a generation outgrew the buckets' slots: a longer cache, captured again
+            step.unbind()
+        step = self.steps[bucket] = _HybridStep(self, bucket, cache, max_len)
+        return step
 
     def _is_decode_step(self, input_ids, cache, kwargs):
         return (input_ids is not None and (input_ids.is_cuda or not self.use_graphs) and input_ids.ndim == 2
                 and input_ids.shape[1] == 1 and input_ids.shape[0] <= self.buckets[-1]
                 and cache is not None and getattr(cache, _PREFILLED, False)
                 and kwargs.get("inputs_embeds") is None and kwargs.get("labels") is None
-                and not kwargs.get("output_hidden_states") and kwargs.get("return_dict", True) is not False
+                and not kwargs.get("output_hidden_states") and not kwargs.get("output_attentions")
+                and kwargs.get("return_dict", True) is not False
                 and not self.model.training and not torch.is_grad_enabled())
-
-    def _output(self, logits, cache):
-        output_class = sys.modules[type(self.model).__module__].Mamba2CausalLMOutput
-        return output_class(logits=logits, cache_params=cache)
 
 
 class _Step:
-    """One bucket: its static inputs and cache, its graph, and the live cache bound to them."""
+    """One bucket of a Mamba2ForCausalLM: its static inputs and cache, its graph, and the live
+    cache bound to them."""
 
     def __init__(self, runner, bucket, like_cache):
         model = runner.model
@@ -135,15 +205,21 @@ class _Step:
     def _capture(self):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with _current_stream_as_default(), torch.cuda.stream(side):
             for _ in range(2):  # compiles the kernels and records their launch plans
                 self._forward()
         torch.cuda.current_stream().wait_stream(side)
         if self.runner.pool is None:
             self.runner.pool = torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.runner.pool):
+        with _current_stream_as_default(), torch.cuda.graph(self.graph, pool=self.runner.pool):
             self.logits = self._forward()
+
+    def _replay(self):
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        return self._forward()
 
     def bind(self, cache, batch):
         """Moves a generation's cache into the bucket's rows and points it at them."""
@@ -161,18 +237,59 @@ class _Step:
                 _set(holder, key, _get(holder, key).clone())
             self.live = None
 
-    def run(self, input_ids, cache):
+    def run(self, input_ids, cache, kwargs):
         batch = input_ids.shape[0]
         if cache is not self.live or batch != self.live_batch or not _views_of(cache, self.cache):
             self.bind(cache, batch)
         self.ids[:batch].copy_(input_ids)
-        if self.graph is not None:
-            self.graph.replay()
-            logits = self.logits
-        else:
-            logits = self._forward()
         # A copy: the next replay overwrites the graph's output, and generate may keep scores.
-        return logits[:batch].clone()
+        return self._replay()[:batch].clone()
+
+
+class _HybridStep(_Step):
+    """One bucket of a hybrid: the static cache of static_kv.py and the step's inputs it holds."""
+
+    def __init__(self, runner, bucket, like_cache, max_len):
+        self.runner, self.bucket = runner, bucket
+        self.ids = torch.zeros(bucket, 1, dtype=torch.long, device=next(runner.model.parameters()).device)
+        self.static = StaticHybridCache(like_cache, bucket, max_len)
+        self.dtype = runner.model.dtype
+        self.graph = self.logits = None
+        if runner.use_graphs:
+            self._capture()
+
+    def _forward(self):
+        static = self.static
+        return self.runner.eager(input_ids=self.ids, past_key_values=static.cache, use_cache=True,
+                                 attention_mask=static.mask(self.dtype), position_ids=static.position_ids,
+                                 cache_position=torch.ones(1, dtype=torch.long)).logits
+
+    def unbind(self):
+        self.static.unbind()
+
+    def run(self, input_ids, cache, kwargs):
+        batch = input_ids.shape[0]
+        static = self.static
+        if not static.bound_to(cache, batch):
+            static.bind(cache, batch)
+        self.ids[:batch].copy_(input_ids)
+        static.set_step(kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        logits = self._replay()[:batch].clone()
+        static.advance()
+        return logits
+
+
+@contextlib.contextmanager
+def _current_stream_as_default():
+    """NemotronH's blocks run under ``torch.cuda.stream(torch.cuda.default_stream())`` on CUDA
+    (transformers 5.3), which a capture on its own stream cannot follow: while ours warms up and
+    captures, the default stream is reported as the current one. Restored on exit."""
+    default_stream = torch.cuda.default_stream
+    torch.cuda.default_stream = lambda device=None: torch.cuda.current_stream(device)
+    try:
+        yield
+    finally:
+        torch.cuda.default_stream = default_stream
 
 
 def _slots(cache):

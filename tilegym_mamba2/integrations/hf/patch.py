@@ -38,7 +38,7 @@ import torch
 
 import tilegym_mamba2
 
-from .decode_graphs import disable_decode_graphs, enable_decode_graphs
+from .decode_graphs import check_graphable, disable_decode_graphs, enable_decode_graphs
 from .norm_patch import (modeling_module, patch_norm_classes, patch_norm_modules, revert_norm_classes,
                          revert_norm_modules)
 
@@ -114,6 +114,7 @@ def apply_tilegym_kernel_to_mamba2(
     use_cutile: bool = False,
     cuda_graphs: bool = False,
     rms_norm: bool = True,
+    max_cache_len: int | None = None,
 ) -> None:
     """Run transformers' Mamba-2 mixers (prefill and decode) on tilegym_mamba2's functions.
 
@@ -142,11 +143,14 @@ def apply_tilegym_kernel_to_mamba2(
         use_cutile: True runs every call on our cuTile kernels (CUDA tensors only). False (the
             default) picks cuTile for CUDA tensors and the pytorch backend for others, so a
             patched model runs on a CPU too.
-        cuda_graphs: with ``model`` (a Mamba2ForCausalLM on CUDA), also decode through CUDA graphs:
+        cuda_graphs: with ``model`` (a Mamba2ForCausalLM, or a Bamba, GraniteMoeHybrid, NemotronH or
+            Zamba2 causal LM under transformers 5.3, on CUDA), also decode through CUDA graphs:
             every decode step of ``generate()`` replays a graph of the whole step, captured once
             per batch-size bucket (decode_graphs.py; prefill stays eager).
         rms_norm: also run Mamba2's RMSNorm and gated RMSNorm modules on ``tilegym_mamba2.rms_norm``
             (one kernel each, the same values; norm_patch.py). The hybrids keep their own norms.
+        max_cache_len: with ``cuda_graphs``, a hybrid's key/value slots per sequence; a generation
+            past it decodes eagerly. None: chosen at the first decode step and doubled as needed.
 
     Calling it again replaces the earlier patch (flags included); it never stacks.
     ``revert_tilegym_kernel_to_mamba2`` undoes it.
@@ -159,6 +163,8 @@ def apply_tilegym_kernel_to_mamba2(
     backend = "cutile" if use_cutile else None
     if cuda_graphs and model is None:
         raise ValueError("cuda_graphs: decode graphs belong to one model; pass model=")
+    if cuda_graphs:
+        check_graphable(model)  # before anything is patched
     if model is None:
         for cls, structure, problem in _mixer_classes(import_missing=True):
             if problem is not None:
@@ -193,7 +199,7 @@ def apply_tilegym_kernel_to_mamba2(
     if rms_norm:
         patch_norm_modules(model, backend)
     if cuda_graphs:
-        enable_decode_graphs(model)
+        enable_decode_graphs(model, max_cache_len=max_cache_len)
     else:  # a call again replaces the patch, flags included
         disable_decode_graphs(model)
 

@@ -1,0 +1,169 @@
+"""Decode graphs for the hybrids: the static key/value cache's logic on a CPU (the step run on
+the bucket's buffers without a graph), the refusals, and on a GPU the graphs themselves. Tiny
+random models of transformers' own hybrid classes; greedy tokens with left padding against the
+eager patched path and transformers' own."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tilegym_mamba2.integrations.hf import decode_graphs  # noqa: E402
+from tilegym_mamba2.integrations.hf.decode_graphs import DecodeGraphs, check_graphable, enable_decode_graphs  # noqa: E402
+from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
+
+from hf_models import HYBRIDS, VOCAB, only_5_3, only_5_17  # noqa: E402
+
+NEW_TOKENS = 10
+
+
+def hybrid(model_type, device="cpu", dtype=torch.float32, seed=5, **overrides):
+    torch.manual_seed(seed)
+    config = HYBRIDS[model_type]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+
+
+def left_padded(batch, device, seed=3, longest=11):
+    """Prompts of different lengths, left-padded (pad 0), and their attention mask."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (batch, longest), generator=gen)
+    mask = torch.ones(batch, longest, dtype=torch.long)
+    for row in range(batch):
+        pad = (row * 3) % (longest - 2)
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids.to(device), mask.to(device)
+
+
+def generate(model, ids, mask, new_tokens=NEW_TOKENS):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+
+
+def with_runner(model, runner, ids, mask, new_tokens=NEW_TOKENS):
+    model.forward = runner
+    try:
+        return generate(model, ids, mask, new_tokens)
+    finally:
+        del model.forward
+
+
+@only_5_3
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_static_cache_step_gives_the_eager_tokens_at_three_batch_sizes(model_type):
+    """Batches of 1, 5 and 13 left-padded prompts through one runner (buckets 1, 8, 16): the same
+    greedy tokens as the eager patched model and as transformers' own torch path."""
+    reference = hybrid(model_type)
+    model = copy.deepcopy(reference)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    runner = DecodeGraphs(model, (1, 8, 16), use_graphs=False)
+    for batch, bucket in ((1, 1), (5, 8), (13, 16)):
+        ids, mask = left_padded(batch, "cpu", seed=batch)
+        want = generate(model, ids, mask)
+        assert torch.equal(generate(reference, ids, mask), want), "the patched model left transformers' tokens"
+        got = with_runner(model, runner, ids, mask)
+        assert torch.equal(got, want), f"batch {batch}: static-cache tokens differ from the eager path's"
+        assert runner.steps[bucket].static.length == ids.shape[1] + NEW_TOKENS - 1  # decode steps went static
+    assert sorted(runner.steps) == [1, 8, 16]
+
+
+@only_5_3
+def test_a_generation_past_the_slots_gets_a_longer_cache_or_runs_eagerly(monkeypatch):
+    """Without max_cache_len the slots grow when a generation reaches them (a new bucket cache of
+    twice the tokens, captured again on a GPU); with it, the steps past it run eagerly. Tokens stay the eager ones."""
+    model = hybrid("bamba")
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids, mask = left_padded(3, "cpu", longest=6)
+    want = generate(model, ids, mask, new_tokens=20)
+    monkeypatch.setattr(decode_graphs, "MIN_KV_SLOTS", 1)
+    runner = DecodeGraphs(model, (4,), use_graphs=False)
+    assert torch.equal(with_runner(model, runner, ids, mask, new_tokens=20), want)
+    assert runner.steps[4].static.max_len == 64   # 16 at the first step (2 x 7 rounded up), 64 at the 17th token
+    capped = DecodeGraphs(model, (4,), use_graphs=False, max_cache_len=12)
+    assert torch.equal(with_runner(model, capped, ids, mask, new_tokens=20), want)
+    assert capped.steps[4].static.max_len == 12 and capped.steps[4].static.live is None  # given back at the cap
+
+
+@only_5_3
+def test_the_first_generations_cache_gets_its_own_tensors_back():
+    """A second generation on the bucket gives the first cache its keys, values and states back,
+    cut to the tokens it holds, no longer views of the bucket's buffers."""
+    model = hybrid("nemotron_h")
+    apply_tilegym_kernel_to_mamba2(model=model)
+    runner = DecodeGraphs(model, (4,), use_graphs=False)
+    ids, mask = left_padded(2, "cpu")
+    caches = []
+    for _ in range(2):
+        with torch.no_grad():
+            out = runner(input_ids=ids, attention_mask=mask, use_cache=True,
+                         past_key_values=model.prepare_inputs_for_generation(ids)["past_key_values"])
+            cache = out.past_key_values
+            step_mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+            runner(input_ids=ids[:, -1:], past_key_values=cache, attention_mask=step_mask, use_cache=True)
+        caches.append(cache)
+    first, static = caches[0], runner.steps[4].static
+    for i in static.attention_layers:
+        assert first.key_cache[i].shape[2] == ids.shape[1] + 1
+        assert first.key_cache[i].data_ptr() != static.cache.key_cache[i].data_ptr()
+    for name, i in static.mamba_layers:
+        assert getattr(first, name)[i].data_ptr() != getattr(static.cache, name)[i].data_ptr()
+
+
+def test_refusals_name_what_cannot_be_graphed():
+    with pytest.raises(ValueError, match="Mamba2ForCausalLM or one of"):
+        check_graphable(torch.nn.Linear(2, 2))
+    moe = hybrid("granitemoehybrid")
+    assert moe.config.num_local_experts
+    with pytest.raises(ValueError, match="expert layers|does not have"):
+        enable_decode_graphs(moe)  # refused before the device is looked at
+    flash = hybrid("bamba")
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation"):
+        check_graphable(flash)
+
+
+@only_5_17
+def test_hybrids_under_newer_transformers_are_refused_naming_the_version():
+    with pytest.raises(ValueError, match=transformers.__version__):
+        check_graphable(hybrid("bamba"))
+
+
+@pytest.mark.gpu
+@only_5_3
+@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "zamba2"])
+def test_gpu_hybrid_graph_decoding_gives_the_eager_tokens_in_fp32(model_type):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference = hybrid(model_type, device="cuda")
+    model = copy.deepcopy(reference)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    enable_decode_graphs(model, buckets=(1, 8, 16))
+    try:
+        for batch in (1, 5, 13):
+            ids, mask = left_padded(batch, "cuda", seed=batch)
+            want = generate(reference, ids, mask)
+            assert torch.equal(generate(model, ids, mask), want), f"batch {batch}"
+        assert all(step.graph is not None for step in model.forward.steps.values())
+    finally:
+        decode_graphs.disable_decode_graphs(model)
+
+
+@pytest.mark.gpu
+@only_5_3
+def test_gpu_hybrid_graph_decoding_bf16_logits_within_tolerance():
+    model = hybrid("bamba", device="cuda", dtype=torch.bfloat16)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids, mask = left_padded(5, "cuda")
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              output_scores=True, return_dict_in_generate=True)
+        enable_decode_graphs(model, buckets=(8,))
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    decode_graphs.disable_decode_graphs(model)
+    for ours, theirs in zip(got.scores, want.scores):
+        assert torch.isfinite(ours).all()
+        assert (ours.float() - theirs.float()).abs().max() <= 0.05 * theirs.float().abs().max()
