@@ -17,8 +17,9 @@ per batch-size bucket and replayed: the host then costs one input copy and one r
   onto our kernels, with ``cache_position`` a CPU tensor: HF's "is this a decode step" test reads
   it on the host while the graph is captured, not while it replays.
 - **Memory**: per bucket captured (lazily, on first use) one cache of the bucket's batch size
-  (layers x batch x (conv_dim x kernel + heads x head_dim x state) in the cache's dtype) and the
-  step's activations, from one memory pool that every bucket shares.
+  (layers x batch x (conv_dim x kernel + heads x head_dim x state) in the cache's dtype; a
+  hybrid's attention layers add 2 x batch x KV heads x slots x head size each) and the step's
+  activations, from one memory pool that every bucket shares.
 
 - **Hybrids** (Bamba, GraniteMoeHybrid, NemotronH, Zamba2 on transformers 5.3's hybrid caches):
   the bucket's cache keeps the attention layers' keys and values in buffers of a maximum length
