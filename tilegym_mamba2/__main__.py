@@ -55,6 +55,7 @@ def main(argv=None):
     sub.add_parser("check", help="report the cuTile toolchain and GPU")
     comp = sub.add_parser("compile", help="ahead-of-time compile every kernel (no GPU needed)")
     comp.add_argument("--target", type=_gpu_target, default="sm_90", help="e.g. sm_80, sm_90, sm_100")
+    from .bench.decode import HYBRID_SHAPES
     bench = sub.add_parser("bench", help="side-by-side benchmark with the installed peers (GPU)")
     bench.add_argument("--grid", action="store_true", help="the larger shape grid, not only the anchor shapes")
     bench.add_argument("--only", nargs="*", help="peers to include (tilegym mamba_ssm fla)")
@@ -77,6 +78,9 @@ def main(argv=None):
     bench.add_argument("--decode-graphs", action="store_true",
                        help="with --serving: instead, a Mamba2-2.7B-shaped HF model (64 layers, random, bf16) "
                             "decoding through CUDA graphs, against the patched eager model and HF's torch path")
+    bench.add_argument("--model", default="mamba2", choices=["mamba2", *sorted(HYBRID_SHAPES)],
+                       help="with --serving --decode-graphs: the model, a Mamba2 2.7B shape or a hybrid of a "
+                            "released model's shape (random, bf16)")
     bench.add_argument("--context-parallel", action="store_true",
                        help="instead: one long sequence split over ranks (run under torchrun, one process per "
                             "GPU; without it, two processes sharing one GPU, or the CPU)")
@@ -293,9 +297,9 @@ def bench_cmd(args) -> int:
         return _save_and_print(run_backward_bench(only=args.only), backward_table, args.json)
     if args.serving and args.decode_graphs:
         from .bench.decode import run_decode_bench
-        rows = run_decode_bench()
+        rows = run_decode_bench(model_name=args.model)
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+            json.dump(dict(gpu=torch.cuda.get_device_name(), model=args.model, rows=rows), f, indent=1)
         return 0
     if args.serving:
         from .bench.serving import run_serving_bench

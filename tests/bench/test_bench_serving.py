@@ -202,3 +202,20 @@ def test_command_line_knows_serving(capsys):
     from tilegym_mamba2.__main__ import main
     assert main(["bench", "--serving", "--json", "unused.json"]) == 1
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_the_decode_benchs_hybrids_are_graphable_models_of_a_few_billion_parameters():
+    """Each --model of `bench --serving --decode-graphs` builds (on the meta device: no memory)
+    as its transformers class, passes the decode graphs' checks, and has 1-10 B parameters."""
+    transformers = pytest.importorskip("transformers")
+    from tilegym_mamba2.bench.decode import HYBRID_SHAPES, hybrid_config
+    from tilegym_mamba2.integrations.hf.decode_graphs import HYBRIDS, check_graphable
+    for name in HYBRID_SHAPES:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hybrid_config(name, 1000))
+        assert type(model).__name__ in HYBRIDS, name
+        try:
+            check_graphable(model)
+        except ValueError as e:  # transformers 5.17+: hybrids are refused, naming the version
+            assert transformers.__version__ in str(e)
+        assert 1e9 < sum(p.numel() for p in model.parameters()) < 1e10, name

@@ -1,5 +1,10 @@
-"""Decoding a Mamba2-2.7B-shaped HF model through CUDA graphs, side by side in one process:
-``python -m tilegym_mamba2 bench --serving --decode-graphs``.
+"""Decoding a Mamba2-2.7B-shaped HF model, or a hybrid of a released model's shape, through CUDA
+graphs, side by side in one process:
+``python -m tilegym_mamba2 bench --serving --decode-graphs [--model NAME]``.
+
+NAME is mamba2 (the default) or a hybrid of HYBRID_SHAPES, built at random init in bf16 from
+transformers' own config class (nothing downloaded). For a hybrid the rows are the same three
+paths; mamba_ssm has no language model of that structure, so it has no row.
 
 A random Mamba2ForCausalLM with the 2.7B model's shape (64 layers, hidden 2560, 80 heads of 64,
 state 128; bf16; nothing downloaded), three ways: HF's torch path (unpatched; the fast path needs
@@ -25,8 +30,41 @@ from .serving import ModelCase, model_config, wall_ms
 CASE = ModelCase(layers=64, vocab=1000, prefill_tokens=2048, decode_prompt=16, decode_tokens=16,
                  decode_batches=(1, 8, 64))
 
+_ATTENTION = dict(num_attention_heads=32, num_key_value_heads=8, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+# name -> (the released model whose shape it takes, transformers config class, its arguments);
+# the vocabulary is the case's (a small one: the embedding is not what decoding measures).
+HYBRID_SHAPES = {
+    # Nemotron-H 8B's mamba and attention blocks; its MLP blocks ("-") are not a block type of
+    # transformers 5.3's NemotronH, so they are left out.
+    "nemotron_h": ("Nemotron-H 8B without its MLP blocks", "NemotronHConfig", dict(
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-".replace("-", ""), hidden_size=4096,
+        intermediate_size=21504, mamba_num_heads=128, mamba_head_dim=64, mamba_n_groups=8, ssm_state_size=128,
+        head_dim=128, mamba_chunk_size=128, **_ATTENTION)),
+    "bamba": ("Bamba 9B", "BambaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, attn_layer_indices=[9, 18, 27],
+        mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_chunk_size=256, **_ATTENTION)),
+    "granitemoehybrid": ("Granite 4.0-H Micro (dense)", "GraniteMoeHybridConfig", dict(
+        hidden_size=2048, intermediate_size=8192, shared_intermediate_size=8192, num_local_experts=0,
+        num_hidden_layers=40, layer_types=["attention" if i % 10 == 9 else "mamba" for i in range(40)],
+        mamba_n_heads=64, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_chunk_size=256, **_ATTENTION)),
+    "zamba2": ("Zamba2 2.7B", "Zamba2Config", dict(
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=54,
+        layers_block_type=["hybrid" if i % 6 == 5 else "mamba" for i in range(54)], mamba_d_state=64,
+        n_mamba_heads=80, mamba_ngroups=1, chunk_size=256, num_mem_blocks=2, adapter_rank=128, use_mem_rope=True,
+        **(_ATTENTION | dict(num_key_value_heads=32)))),
+}
 
-def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16):
+
+def hybrid_config(name, vocab):
+    """The transformers config of HYBRID_SHAPES[name] with ``vocab`` tokens, sdpa attention."""
+    import transformers
+    _, class_name, arguments = HYBRID_SHAPES[name]
+    config = getattr(transformers, class_name)(vocab_size=vocab, **arguments)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16, model_name="mamba2"):
     """-> rows: dict(path, what, batch, ms, tokens_per_s, note)."""
     import transformers
 
@@ -34,7 +72,12 @@ def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16):
     from ..transformers import apply_tilegym_kernel_to_mamba2
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Mamba2ForCausalLM(model_config(case)).to(dtype=dtype).eval()
+        if model_name == "mamba2":
+            model = transformers.Mamba2ForCausalLM(model_config(case)).to(dtype=dtype).eval()
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(hybrid_config(model_name, case.vocab))
+            model = model.to(dtype=dtype).eval()
+    log(f"{model_name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, {dtype}")
     gen = torch.Generator().manual_seed(1)
     prefill_ids = torch.randint(2, case.vocab, (1, case.prefill_tokens), generator=gen).to(device)
     prompts = {b: torch.randint(2, case.vocab, (b, case.decode_prompt), generator=gen).to(device)
@@ -102,7 +145,8 @@ def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16):
         row("patched, graphs", "capture + run, all batches", None, (time.perf_counter() - started) * 1e3)
     finally:
         disable_decode_graphs(model)
-    _mamba_ssm_rows(case, row, prompts, prefill_ids, device, dtype)
+    if model_name == "mamba2":
+        _mamba_ssm_rows(case, row, prompts, prefill_ids, device, dtype)
     return rows
 
 
