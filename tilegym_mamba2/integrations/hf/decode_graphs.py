@@ -21,7 +21,7 @@ per batch-size bucket and replayed: the host then costs one input copy and one r
   hybrid's attention layers add 2 x batch x KV heads x slots x head size each) and the step's
   activations, from one memory pool that every bucket shares.
 
-- **Hybrids** (Bamba, GraniteMoeHybrid, NemotronH, Zamba2 on transformers 5.3's hybrid caches):
+- **Hybrids** (Bamba, GraniteMoeHybrid, NemotronH, Zamba2; FalconH1 from transformers 5.17):
   the bucket's cache keeps the attention layers' keys and values in buffers of a maximum length
   (static_kv.py), written in place at the step's position and read through a mask built in the
   graph from the generation's attention mask. The length is ``max_cache_len`` when given (a step
@@ -38,12 +38,15 @@ import inspect
 import torch
 
 from ...core.tensors import pow2_at_least
-from .static_kv import StaticHybridCache, is_hybrid_cache, kv_length
+from .static_kv import StaticHybridCache, _get, _set, kv_length
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The hybrids, each with its cache class under transformers 5.3 (None: FalconH1 is patched from 5.17
+# on); later versions keep every hybrid's states in a DynamicCache of per-layer objects.
 HYBRIDS = {"BambaForCausalLM": "HybridMambaAttentionDynamicCache",
            "GraniteMoeHybridForCausalLM": "HybridMambaAttentionDynamicCache",
-           "NemotronHForCausalLM": "NemotronHHybridDynamicCache", "Zamba2ForCausalLM": "Zamba2HybridDynamicCache"}
+           "NemotronHForCausalLM": "NemotronHHybridDynamicCache", "Zamba2ForCausalLM": "Zamba2HybridDynamicCache",
+           "FalconH1ForCausalLM": None}
 MIN_KV_SLOTS = 256
 _PREFILLED = "_tilegym_mamba2_prefilled"
 _RUNNER = "_tilegym_mamba2_decode_graphs"
@@ -74,10 +77,12 @@ def check_graphable(model, graphs=True):
         raise ValueError(f"decode graphs take a transformers Mamba2ForCausalLM or one of {', '.join(sorted(HYBRIDS))}, "
                          f"got {name}")
     import transformers
-    module = inspect.getmodule(type(model))
-    if HYBRIDS[name] not in vars(module):
-        raise ValueError(f"decode graphs for {name} are built on transformers 5.3's {HYBRIDS[name]}, which "
-                         f"transformers {transformers.__version__} does not have")
+    import transformers.cache_utils
+    per_model_cache = HYBRIDS[name] is not None and HYBRIDS[name] in vars(inspect.getmodule(type(model)))
+    if not per_model_cache and not hasattr(transformers.cache_utils, "LinearAttentionLayer"):
+        raise ValueError(f"decode graphs for {name} are built on transformers 5.3's hybrid caches and on the "
+                         f"per-layer DynamicCache of later versions; transformers {transformers.__version__} has "
+                         f"neither")
     attention = getattr(model.config, "_attn_implementation", None)
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"decode graphs read the key/value buffers through a mask: attn_implementation 'sdpa' or "
@@ -111,6 +116,7 @@ class DecodeGraphs:
             raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         self.use_graphs = use_graphs
+        self.hybrid = type(model).__name__ in HYBRIDS
         self.steps = {}
         self.pool = None
         # The decode step's output: the type the eager forward returned (until it has run, the
@@ -148,7 +154,7 @@ class DecodeGraphs:
         hybrid's cache past ``max_cache_len``)."""
         bucket = next(b for b in self.buckets if b >= batch)
         step = self.steps.get(bucket)
-        if not is_hybrid_cache(cache):
+        if not self.hybrid:
             if step is None:
                 step = self.steps[bucket] = _Step(self, bucket, cache)
             return step
@@ -300,17 +306,6 @@ def _slots(cache):
     if hasattr(cache, "ssm_states"):
         return [(cache, "conv_states", 1), (cache, "ssm_states", 1)]
     return [(states, 0, 0) for layer in cache.layers for states in (layer.conv_states, layer.recurrent_states)]
-
-
-def _get(holder, key):
-    return holder[key] if isinstance(holder, dict) else getattr(holder, key)
-
-
-def _set(holder, key, value):
-    if isinstance(holder, dict):
-        holder[key] = value
-    else:
-        setattr(holder, key, value)
 
 
 def _views_of(cache, static):

@@ -143,8 +143,8 @@ def apply_tilegym_kernel_to_mamba2(
         use_cutile: True runs every call on our cuTile kernels (CUDA tensors only). False (the
             default) picks cuTile for CUDA tensors and the pytorch backend for others, so a
             patched model runs on a CPU too.
-        cuda_graphs: with ``model`` (a Mamba2ForCausalLM, or a Bamba, GraniteMoeHybrid, NemotronH or
-            Zamba2 causal LM under transformers 5.3, on CUDA), also decode through CUDA graphs:
+        cuda_graphs: with ``model`` (a Mamba2ForCausalLM, or a Bamba, GraniteMoeHybrid, NemotronH,
+            Zamba2 or FalconH1 causal LM, on CUDA), also decode through CUDA graphs:
             every decode step of ``generate()`` replays a graph of the whole step, captured once
             per batch-size bucket (decode_graphs.py; prefill stays eager).
         rms_norm: also run Mamba2's RMSNorm and gated RMSNorm modules on ``tilegym_mamba2.rms_norm``
