@@ -37,7 +37,8 @@ HYBRID_SHAPES = {
     # Nemotron-H 8B's mamba and attention blocks; its MLP blocks ("-") are not a block type of
     # transformers 5.3's NemotronH, so they are left out.
     "nemotron_h": ("Nemotron-H 8B without its MLP blocks", "NemotronHConfig", dict(
-        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-".replace("-", ""), hidden_size=4096,
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-".replace("-", ""),
+        hidden_size=4096,
         intermediate_size=21504, mamba_num_heads=128, mamba_head_dim=64, mamba_n_groups=8, ssm_state_size=128,
         head_dim=128, mamba_chunk_size=128, **_ATTENTION)),
     "bamba": ("Bamba 9B", "BambaConfig", dict(

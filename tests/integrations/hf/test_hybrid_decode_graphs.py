@@ -10,7 +10,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tilegym_mamba2.integrations.hf import decode_graphs  # noqa: E402
-from tilegym_mamba2.integrations.hf.decode_graphs import DecodeGraphs, check_graphable, enable_decode_graphs  # noqa: E402
+from tilegym_mamba2.integrations.hf.decode_graphs import (  # noqa: E402
+    DecodeGraphs, check_graphable, enable_decode_graphs)
 from tilegym_mamba2.integrations.hf.static_kv import _get, hybrid_slots  # noqa: E402
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
