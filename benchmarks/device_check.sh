@@ -8,10 +8,13 @@
 #   backward  the backward's GPU tests (-k "backward or chunk_states_walk"), then bench --backward
 #   bench     bench --only mamba_ssm fla (the plain op on the anchor shapes), then bench --layer
 #   serving   the serving GPU tests (-k "serving or state_update or conv1d"), then bench --serving
+#   decode    the decode-graph GPU tests (Mamba2 and the hybrids), then bench --serving
+#             --decode-graphs for each model in MODELS (default: mamba2 and every hybrid of
+#             bench/decode.py; past ten minutes: give two or three per call)
 #   memcheck  compute-sanitizer --tool memcheck on a few small GPU tests (MEMCHECK_K)
 #   all       tests, then bench
 #
-# Every mode but `all` runs in under ten minutes. Logs, JSON and plots go to ${OUT:-device-out}/;
+# Every mode but `all` (and `decode` with every model) runs in under ten minutes. Logs, JSON and plots go to ${OUT:-device-out}/;
 # each step prints its log's summary, and the script exits non-zero if any step failed.
 # Settings (environment): LIMIT_S seconds per pytest run (stopped with SIGINT, so pytest still
 # prints its summary), BENCH_S seconds per bench run, PEERS bench --backward's peers (default
@@ -75,6 +78,12 @@ bench)
 serving)
   run_tests gpu_serving 300 -k "serving or state_update or conv1d"
   bench serving 240 --serving --png "$out/serving.png"
+  ;;
+decode)
+  run_tests gpu_decode 240 -k "decode_graph or graph_decoding"
+  for model in ${MODELS:-mamba2 nemotron_h bamba granitemoehybrid zamba2}; do
+    bench "decode_$model" 300 --serving --decode-graphs --model "$model"
+  done
   ;;
 memcheck)
   sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)

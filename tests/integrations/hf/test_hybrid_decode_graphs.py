@@ -123,6 +123,8 @@ def test_refusals_name_what_cannot_be_graphed():
     assert moe.config.num_local_experts
     with pytest.raises(ValueError, match="expert layers|does not have"):
         enable_decode_graphs(moe)  # refused before the device is looked at
+    with pytest.raises(ValueError, match="max_cache_len"):
+        DecodeGraphs(hybrid("bamba"), (1,), use_graphs=False, max_cache_len=0)
     flash = hybrid("bamba")
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation|does not have"):
