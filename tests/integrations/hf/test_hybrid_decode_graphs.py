@@ -166,3 +166,15 @@ def test_gpu_hybrid_graph_decoding_bf16_logits_within_tolerance():
     for ours, theirs in zip(got.scores, want.scores):
         assert torch.isfinite(ours).all()
         assert (ours.float() - theirs.float()).abs().max() <= 0.05 * theirs.float().abs().max()
+
+
+def test_the_default_stream_stands_in_for_the_current_one_only_during_a_capture():
+    """NemotronH's blocks ask for the default stream; while the runner warms up and captures, the
+    current stream answers, and torch.cuda.default_stream is torch's own again afterwards, also
+    when the capture raises."""
+    own = torch.cuda.default_stream
+    with pytest.raises(RuntimeError, match="inside"):
+        with decode_graphs._current_stream_as_default():
+            assert torch.cuda.default_stream is not own
+            raise RuntimeError("inside")
+    assert torch.cuda.default_stream is own
