@@ -178,3 +178,17 @@ def test_the_default_stream_stands_in_for_the_current_one_only_during_a_capture(
             assert torch.cuda.default_stream is not own
             raise RuntimeError("inside")
     assert torch.cuda.default_stream is own
+
+
+def test_a_tuple_returning_call_leaves_the_step_output_type_alone():
+    """model(..., return_dict=False) through the runner returns the eager tuple; the decode steps
+    after it still return the model's output class."""
+    model = hybrid("zamba2")
+    apply_tilegym_kernel_to_mamba2(model=model)
+    runner = DecodeGraphs(model, (4,), use_graphs=False)
+    ids, mask = left_padded(2, "cpu")
+    with torch.no_grad():
+        assert isinstance(runner(input_ids=ids, attention_mask=mask, return_dict=False, use_cache=False), tuple)
+    want = generate(model, ids, mask)
+    assert torch.equal(with_runner(model, runner, ids, mask), want)
+    assert runner.steps[4].static.length == ids.shape[1] + NEW_TOKENS - 1

@@ -140,6 +140,8 @@ class DecodeGraphs:
             step = self._step_for(input_ids.shape[0], cache)
         if step is None:
             out = self.eager(*args, **kwargs)
+            if not hasattr(out, "logits"):  # return_dict=False: a tuple, which a step never returns
+                return out
             self.output_type = type(out)
             self.cache_field = "cache_params" if hasattr(out, "cache_params") else "past_key_values"
             cache = getattr(out, self.cache_field, None)
