@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from tilegym_mamba2.integrations.hf import decode_graphs  # noqa: E402
 from tilegym_mamba2.integrations.hf.decode_graphs import (  # noqa: E402
     DecodeGraphs, check_graphable, enable_decode_graphs)
-from tilegym_mamba2.integrations.hf.static_kv import _get, hybrid_slots  # noqa: E402
+from tilegym_mamba2.integrations.hf.static_kv import _get, cache_slots  # noqa: E402
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
 from hf_models import HYBRIDS, HYBRIDS_5_17, VOCAB, only_5_17  # noqa: E402
@@ -106,7 +106,7 @@ def test_the_first_generations_cache_gets_its_own_tensors_back():
             runner(input_ids=ids[:, -1:], past_key_values=cache, attention_mask=step_mask, use_cache=True)
         caches.append(cache)
     first, static = caches[0], runner.steps[4].static
-    mamba, attention = hybrid_slots(first)
+    mamba, attention = cache_slots(first)
     assert len(mamba) == len(static.mamba) and len(attention) == len(static.attention) > 0
     for (_, *pair), (_, *static_pair) in zip(attention, static.attention):
         for (holder, key), (static_holder, static_key) in zip(pair, static_pair):

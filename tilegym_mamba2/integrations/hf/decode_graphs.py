@@ -38,7 +38,7 @@ import inspect
 import torch
 
 from ...core.tensors import pow2_at_least
-from .static_kv import StaticHybridCache, _get, _set, kv_length
+from .static_kv import StaticHybridCache, _get, _set, cache_slots, kv_length
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # The hybrids, each with its cache class under transformers 5.3 (None: FalconH1 is patched from 5.17
@@ -303,11 +303,11 @@ def _current_stream_as_default():
 
 def _slots(cache):
     """The cache's state tensors as (holder, key, batch dimension): transformers 5.3's
-    Mamba2Cache stacks the layers ([layers, batch, ...] attributes); 5.17's DynamicCache keeps a
-    [batch, ...] tensor per layer in dicts keyed by state index."""
+    Mamba2Cache stacks the layers ([layers, batch, ...] attributes); later versions' DynamicCache
+    keeps [batch, ...] tensors per layer object (static_kv.cache_slots walks them)."""
     if hasattr(cache, "ssm_states"):
         return [(cache, "conv_states", 1), (cache, "ssm_states", 1)]
-    return [(states, 0, 0) for layer in cache.layers for states in (layer.conv_states, layer.recurrent_states)]
+    return [(holder, key, 0) for holder, key in cache_slots(cache)[0]]
 
 
 def _views_of(cache, static):

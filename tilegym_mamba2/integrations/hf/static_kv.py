@@ -5,8 +5,8 @@ place) and, for attention layers, keys and values that grow by concatenation eve
 structures: transformers 5.3's per-model classes (HybridMambaAttentionDynamicCache,
 NemotronHHybridDynamicCache, Zamba2HybridDynamicCache: per-layer lists ``key_cache``,
 ``value_cache``, ``conv_states``, ``ssm_states``) and the DynamicCache of later versions (one
-object per layer: ``keys`` / ``values`` for attention, dicts ``conv_states`` / ``recurrent_states``
-for mamba). Here the keys and values live in buffers of a maximum length: a step writes its token's
+object per layer: ``keys`` / ``values`` for attention, ``conv_states`` / ``recurrent_states`` for
+mamba, tensors before 5.17 and dicts of them from 5.17 on). Here the keys and values live in buffers of a maximum length: a step writes its token's
 key and value in place at the write position (a device tensor set before each replay), and
 attention reads the whole buffer through an additive mask that admits the written positions the
 generation's attention mask keeps. A graph then replays the same addresses every step.
@@ -33,7 +33,7 @@ def _set(holder, key, value):
         setattr(holder, key, value)
 
 
-def hybrid_slots(cache):
+def cache_slots(cache):
     """(mamba, attention): the cache's state tensors as (holder, key), and its attention layers as
     (layer index, (holder, key) of the keys, of the values); the same order for a cache and its
     static copy."""
@@ -49,8 +49,10 @@ def hybrid_slots(cache):
     for i, layer in enumerate(getattr(cache, "layers", ())):  # a DynamicCache: an object per layer
         for name in ("conv_states", "recurrent_states"):
             states = getattr(layer, name, None)
-            if isinstance(states, dict):
+            if isinstance(states, dict):  # 5.17 on: a state per index
                 mamba += [(states, k) for k, t in states.items() if torch.is_tensor(t) and t.ndim >= 3]
+            elif torch.is_tensor(states) and states.ndim >= 3:  # before 5.17: one tensor
+                mamba.append((layer, name))
         if torch.is_tensor(getattr(layer, "keys", None)) and layer.keys.ndim == 4:
             attention.append((i, (layer, "keys"), (layer, "values")))
     return mamba, attention
@@ -73,7 +75,7 @@ def _own_containers(cache):
 
 def kv_length(cache) -> int:
     """Tokens in the cache's attention layers (0 where it has none yet)."""
-    _, attention = hybrid_slots(cache)
+    _, attention = cache_slots(cache)
     return _get(*attention[0][1]).shape[2] if attention else 0
 
 
@@ -83,14 +85,14 @@ class StaticHybridCache:
 
     def __init__(self, live, batch: int, max_len: int):
         self.batch, self.max_len = batch, max_len
-        mamba, attention = hybrid_slots(live)
+        mamba, attention = cache_slots(live)
         if not mamba or not attention:
             raise ValueError(f"{type(live).__name__}: not a hybrid cache this version knows (no "
                              f"{'mamba states' if not mamba else 'attention keys'} found)")
         self.cache = _own_containers(live)
         if hasattr(self.cache, "key_cache"):
             self.cache.has_previous_state = True  # 5.3's mixers take their decode branch on it
-        self.mamba, self.attention = hybrid_slots(self.cache)
+        self.mamba, self.attention = cache_slots(self.cache)
         for holder, key in self.mamba:
             state = _get(holder, key)
             _set(holder, key, state.new_zeros((batch, *state.shape[1:])))
@@ -131,7 +133,7 @@ class StaticHybridCache:
         self.length = kv_length(live)
         if self.length >= self.max_len:
             raise ValueError(f"a cache of {self.length} tokens does not fit {self.max_len}")
-        live_mamba, live_attention = hybrid_slots(live)
+        live_mamba, live_attention = cache_slots(live)
         for (holder, key), (static_holder, static_key) in zip(live_mamba, self.mamba):
             rows = _get(static_holder, static_key)[:batch]
             rows.copy_(_get(holder, key))
@@ -153,7 +155,7 @@ class StaticHybridCache:
         """The bound cache gets its own tensors back, with the states and tokens it has reached."""
         if self.live is None:
             return
-        live_mamba, live_attention = hybrid_slots(self.live)
+        live_mamba, live_attention = cache_slots(self.live)
         for holder, key in live_mamba + [slot for _, *pair in live_attention for slot in pair]:
             _set(holder, key, _get(holder, key).clone())
         self.live = None
