@@ -1,13 +1,13 @@
 """A hybrid's cache in fixed buffers, so that its decode step can be replayed from a CUDA graph.
 
-Hugging Face's hybrid caches keep per layer a conv and an SSM state (fixed shapes, updated in
-place) and, for attention layers, keys and values that grow by concatenation every step. Two
-structures: transformers 5.3's per-model classes (HybridMambaAttentionDynamicCache,
-NemotronHHybridDynamicCache, Zamba2HybridDynamicCache: per-layer lists ``key_cache``,
-``value_cache``, ``conv_states``, ``ssm_states``) and the DynamicCache of later versions (one
-object per layer: ``keys`` / ``values`` for attention, ``conv_states`` / ``recurrent_states`` for
-mamba, tensors before 5.17 and dicts of them from 5.17 on). Here the keys and values live in buffers of a maximum length: a step writes its token's
-key and value in place at the write position (a device tensor set before each replay), and
+Hugging Face's hybrid caches keep per layer a conv and an SSM state (fixed shapes, updated in place)
+and, for attention layers, keys and values that grow by concatenation every step. Two structures:
+transformers 5.3's per-model classes (HybridMambaAttentionDynamicCache, NemotronHHybridDynamicCache,
+Zamba2HybridDynamicCache: per-layer lists ``key_cache``, ``value_cache``, ``conv_states``,
+``ssm_states``) and the DynamicCache of later versions (one object per layer: ``keys`` / ``values``
+for attention, ``conv_states`` / ``recurrent_states`` for mamba, tensors before 5.17 and dicts of
+them from 5.17 on). Here the keys and values live in buffers of a maximum length: a step writes its
+token's key and value in place at the write position (a device tensor set before each replay), and
 attention reads the whole buffer through an additive mask that admits the written positions the
 generation's attention mask keeps. A graph then replays the same addresses every step.
 
@@ -84,7 +84,7 @@ class StaticHybridCache:
     per-step inputs a graph reads: the write position, the kept positions, the position ids."""
 
     def __init__(self, live, batch: int, max_len: int):
-        self.batch, self.max_len = batch, max_len
+        self.max_len = max_len
         mamba, attention = cache_slots(live)
         if not mamba or not attention:
             raise ValueError(f"{type(live).__name__}: not a hybrid cache this version knows (no "
@@ -121,10 +121,6 @@ class StaticHybridCache:
         generation's mask), the dtype's lowest value elsewhere. Computed inside the graph."""
         readable = self.kept & (self.slots <= self.position)
         return torch.where(readable, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]
-
-    def fits(self) -> bool:
-        """Whether the next step's token has a slot."""
-        return self.length < self.max_len
 
     # ------------------------------------------------------------------ binding a generation's cache
 
