@@ -15,7 +15,7 @@ from tilegym_mamba2.integrations.hf.decode_graphs import (  # noqa: E402
 from tilegym_mamba2.integrations.hf.static_kv import _get, cache_slots  # noqa: E402
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
-from hf_models import HYBRIDS, HYBRIDS_5_17, VOCAB, only_5_17  # noqa: E402
+from hf_models import HYBRID_COMMON, HYBRIDS, HYBRIDS_5_17, VOCAB, only_5_17  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -125,6 +125,14 @@ def test_refusals_name_what_cannot_be_graphed():
         enable_decode_graphs(moe)  # refused before the device is looked at
     with pytest.raises(ValueError, match="max_cache_len"):
         DecodeGraphs(hybrid("bamba"), (1,), use_graphs=False, max_cache_len=0)
+    for dense in ("bamba", "nemotron_h", "zamba2"):  # a default expert count without expert layers
+        check_graphable(hybrid(dense), graphs=True)
+    nemotron_moe = transformers.NemotronHConfig(
+        num_hidden_layers=3, layers_block_type=["mamba", "moe", "attention"], n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, head_dim=16,
+        ssm_state_size=16, mamba_num_heads=4, mamba_n_groups=2, mamba_head_dim=16, **HYBRID_COMMON)
+    with pytest.raises(ValueError, match="expert layers"):
+        check_graphable(transformers.AutoModelForCausalLM.from_config(nemotron_moe), graphs=True)
     flash = hybrid("bamba")
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation|does not have"):

@@ -87,7 +87,9 @@ def check_graphable(model, graphs=True):
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"decode graphs read the key/value buffers through a mask: attn_implementation 'sdpa' or "
                          f"'eager', got {attention!r}")
-    experts = getattr(model.config, "num_local_experts", 0) or ("moe" in getattr(model.config, "layers_block_type", ()))
+    # Looked for in the modules, not the config: NemotronH's config counts experts (8 by default,
+    # from transformers 5.17) whether or not a layer uses them.
+    experts = any(type(module).__name__.endswith("MoE") or hasattr(module, "experts") for module in model.modules())
     if graphs and experts:
         raise ValueError(f"{name}'s expert layers read their token counts on the host every step (transformers "
                          f"{transformers.__version__}), which a CUDA graph cannot capture; decode it eagerly")
