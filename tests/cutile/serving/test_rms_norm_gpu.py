@@ -60,6 +60,7 @@ def test_rms_norm_matches_the_float64_reference(case, dtype, weight_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_equals_hugging_faces_modules(dtype):
     modeling = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    zamba2 = pytest.importorskip("transformers.models.zamba2.modeling_zamba2")
     seed = fresh_seed()
     x, weight, gate = inputs((4, 3, 5120), True, dtype, dtype, seed)
     gated = modeling.MambaRMSNormGated(5120, eps=1e-5).to("cuda", dtype)
@@ -67,8 +68,13 @@ def test_rms_norm_equals_hugging_faces_modules(dtype):
     with torch.no_grad():
         gated.weight.copy_(weight)
         plain.weight.copy_(weight)
-        for want, got in ((gated(x, gate), tilegym_mamba2.rms_norm(x, weight, gate, 1e-5)),
-                          (plain(x), tilegym_mamba2.rms_norm(x, weight, None, 1e-5))):
+        cases = [(gated(x, gate), tilegym_mamba2.rms_norm(x, weight, gate, 1e-5)),
+                 (plain(x), tilegym_mamba2.rms_norm(x, weight, None, 1e-5))]
+        # The hybrids' grouped gated norm (Zamba2's, NemotronH's): 8 groups of 640.
+        grouped = zamba2.Zamba2RMSNormGated(5120, group_size=640, eps=1e-5).to("cuda", dtype)
+        grouped.weight.copy_(weight)
+        cases.append((grouped(x, gate), tilegym_mamba2.rms_norm(x, weight, gate, 1e-5, group_size=640)))
+        for want, got in cases:
             assert got.dtype == want.dtype
             # A rounding or two apart at most: the sum of squares is added in another order.
             close = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5

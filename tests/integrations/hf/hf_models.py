@@ -92,3 +92,13 @@ HYBRIDS_5_17 = {"falcon_h1": lambda: FALCON_H1(), "falcon_h1-rmsnorm": lambda: F
 PROMPT_BATCH = {"falcon_h1-rmsnorm": 1}
 HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+
+
+def tiny_hybrid(model_type, device="cpu", dtype=torch.float32, seed=5, **overrides):
+    """A random model of HYBRIDS (or HYBRIDS_5_17) with sdpa attention; ``overrides`` set on its config."""
+    torch.manual_seed(seed)
+    config = (HYBRIDS | HYBRIDS_5_17)[model_type]()
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()

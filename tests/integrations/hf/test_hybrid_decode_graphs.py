@@ -15,18 +15,10 @@ from tilegym_mamba2.integrations.hf.decode_graphs import (  # noqa: E402
 from tilegym_mamba2.integrations.hf.static_kv import _get, cache_slots  # noqa: E402
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
-from hf_models import HYBRID_COMMON, HYBRIDS, HYBRIDS_5_17, VOCAB, only_5_17  # noqa: E402
+from hf_models import HYBRID_COMMON, HYBRIDS, VOCAB, only_5_17  # noqa: E402
+from hf_models import tiny_hybrid as hybrid  # noqa: E402
 
 NEW_TOKENS = 10
-
-
-def hybrid(model_type, device="cpu", dtype=torch.float32, seed=5, **overrides):
-    torch.manual_seed(seed)
-    config = (HYBRIDS | HYBRIDS_5_17)[model_type]()
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    config._attn_implementation = "sdpa"
-    return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
 def left_padded(batch, device, seed=3, longest=11):

@@ -1,4 +1,4 @@
-"""Mamba2's norm modules on tilegym_mamba2.rms_norm (norm_patch.py), on CPU: the pytorch
+"""Mamba2's and the hybrids' norm modules on tilegym_mamba2.rms_norm (norm_patch.py), on CPU: the pytorch
 backend computes what HF's modules compute, bit for bit; a patched model calls it for every
 norm outside autograd and keeps the modules' own forward where autograd records; the flag,
 a second call and the revert leave no patch behind."""
@@ -13,7 +13,8 @@ modeling = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2, revert_tilegym_kernel_to_mamba2  # noqa: E402
 
 # unpatched_classes: autouse, every test starts and ends with the classes as shipped.
-from hf_models import greedy, logits, prompt, tiny_mamba2  # noqa: E402 (pytest puts this folder on sys.path)
+from hf_models import HYBRIDS, greedy, logits, only_5_17, prompt, tiny_hybrid, tiny_mamba2  # noqa: E402 (pytest puts this folder on sys.path)
+from tilegym_mamba2.integrations.hf.norm_patch import NORMS  # noqa: E402
 
 
 @pytest.fixture
@@ -80,6 +81,29 @@ def test_a_patched_model_runs_every_norm_on_rms_norm_and_gives_the_same_tokens(n
     assert norm_calls.count(True) == layers and norm_calls.count(False) == layers + 1   # mixers; blocks + final
     assert torch.equal(got, want_logits)
     assert torch.equal(greedy(model, ids), want_tokens)
+
+
+@pytest.mark.parametrize("model_type", [*sorted(HYBRIDS), pytest.param("falcon_h1", marks=only_5_17)])
+def test_a_patched_hybrid_runs_its_norms_on_rms_norm_and_gives_the_same_logits(model_type, norm_calls):
+    """Every call of a NORMS module goes through rms_norm (Zamba2's gated norm per group), and the
+    logits are the unpatched norms' bit for bit (the pytorch backend on CPU)."""
+    ref = tiny_hybrid(model_type)
+    apply_tilegym_kernel_to_mamba2(model=ref, rms_norm=False)
+    ids = prompt(tokens=19)
+    want = logits(ref, ids)
+    assert norm_calls == []
+    model = tiny_hybrid(model_type)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    names = {name for _, name, _ in NORMS}
+    module_calls = []
+    for module in model.modules():
+        if type(module).__name__ in names:
+            module.register_forward_hook(lambda m, args, out: module_calls.append(type(m).__name__))
+    got = logits(model, ids)
+    assert len(module_calls) > model.config.num_hidden_layers and len(norm_calls) == len(module_calls)
+    gated = sum(name.endswith("Gated") for name in module_calls)
+    assert norm_calls.count(True) == gated and (gated > 0) == (model_type != "falcon_h1")  # FalconH1's is its own
+    assert torch.equal(got, want)
 
 
 def test_the_flag_a_second_call_and_the_revert_leave_the_norms_their_own(norm_calls):

@@ -1,7 +1,8 @@
 """Hugging Face's Mamba-2 norms on ``tilegym_mamba2.rms_norm``: one kernel where torch runs ten.
 
 A Mamba2ForCausalLM block normalises its input (Mamba2RMSNorm) and its mixer gates and
-normalises the scan's output (MambaRMSNormGated). In torch each is ~10 kernels over fp32 copies
+normalises the scan's output (MambaRMSNormGated); the hybrids' blocks do the same with their own
+classes of the same arithmetic (NORMS). In torch each is ~10 kernels over fp32 copies
 of the row; in a graph-replayed decode step of the 2.7B shape they were 17 of the 29 kernels of
 a layer. ``rms_norm`` computes what those forwards compute, the rounding to the input's dtype
 before the weight included, so a patched model's activations stay HF's own (bit for bit on the
@@ -20,10 +21,20 @@ import torch
 
 import tilegym_mamba2
 
-# (model type, class, whether its forward takes a gate)
+# (model type, class, whether its forward takes a gate). The hybrids' norms compute what Mamba2's
+# do (Zamba2's gated one, which NemotronH imports, per group of its ``group_size``). FalconH1's
+# gated norm is left its own: it applies the weight before rounding and may gate after the norm.
 NORMS = (
     ("mamba2", "MambaRMSNormGated", True),
     ("mamba2", "Mamba2RMSNorm", False),
+    ("bamba", "BambaRMSNormGated", True),
+    ("bamba", "BambaRMSNorm", False),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", True),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNorm", False),
+    ("nemotron_h", "NemotronHRMSNorm", False),
+    ("zamba2", "Zamba2RMSNormGated", True),
+    ("zamba2", "Zamba2RMSNorm", False),
+    ("falcon_h1", "FalconH1RMSNorm", False),
 )
 _ORIGINAL = "_tilegym_mamba2_original_norm"
 
@@ -92,7 +103,8 @@ def patched_norm_forward(cls, gated: bool, backend):
         def forward(self, hidden_states, gate=None):
             if _records_grad(self, hidden_states, gate):
                 return original(self, hidden_states, gate)
-            return tilegym_mamba2.rms_norm(hidden_states, self.weight, gate, self.variance_epsilon, backend=backend)
+            return tilegym_mamba2.rms_norm(hidden_states, self.weight, gate, self.variance_epsilon,
+                                           getattr(self, "group_size", None), backend=backend)
     else:
         @functools.wraps(original)
         def forward(self, hidden_states):

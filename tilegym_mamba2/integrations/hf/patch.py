@@ -147,8 +147,9 @@ def apply_tilegym_kernel_to_mamba2(
             Zamba2 or FalconH1 causal LM, on CUDA), also decode through CUDA graphs:
             every decode step of ``generate()`` replays a graph of the whole step, captured once
             per batch-size bucket (decode_graphs.py; prefill stays eager).
-        rms_norm: also run Mamba2's RMSNorm and gated RMSNorm modules on ``tilegym_mamba2.rms_norm``
-            (one kernel each, the same values; norm_patch.py). The hybrids keep their own norms.
+        rms_norm: also run the RMSNorm and gated RMSNorm modules of Mamba2 and the hybrids on
+            ``tilegym_mamba2.rms_norm`` (one kernel each, the same values; norm_patch.py; FalconH1
+            keeps its own gated norm).
         max_cache_len: with ``cuda_graphs``, a hybrid's key/value slots per sequence; a generation
             past it decodes eagerly. None: chosen at the first decode step and doubled as needed.
 
