@@ -14,7 +14,7 @@ from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2, revert_t
 
 # unpatched_classes: autouse, every test starts and ends with the classes as shipped.
 from hf_models import HYBRIDS, greedy, logits, only_5_17, prompt, tiny_hybrid, tiny_mamba2  # noqa: E402 (pytest puts this folder on sys.path)
-from tilegym_mamba2.integrations.hf.norm_patch import NORMS  # noqa: E402
+from tilegym_mamba2.integrations.hf.norm_patch import norm_classes, same_arithmetic  # noqa: E402
 
 
 @pytest.fixture
@@ -94,16 +94,46 @@ def test_a_patched_hybrid_runs_its_norms_on_rms_norm_and_gives_the_same_logits(m
     assert norm_calls == []
     model = tiny_hybrid(model_type)
     apply_tilegym_kernel_to_mamba2(model=model)
-    names = {name for _, name, _ in NORMS}
+    patchable = {cls for cls, _ in norm_classes(import_missing=False, patchable_only=True)}
     module_calls = []
     for module in model.modules():
-        if type(module).__name__ in names:
+        if type(module) in patchable:
             module.register_forward_hook(lambda m, args, out: module_calls.append(type(m).__name__))
     got = logits(model, ids)
-    assert len(module_calls) > model.config.num_hidden_layers and len(norm_calls) == len(module_calls)
+    assert module_calls and len(norm_calls) == len(module_calls)
     gated = sum(name.endswith("Gated") for name in module_calls)
     assert norm_calls.count(True) == gated and (gated > 0) == (model_type != "falcon_h1")  # FalconH1's is its own
     assert torch.equal(got, want)
+
+
+def test_a_norm_that_rounds_otherwise_keeps_its_own_forward(monkeypatch):
+    """The probe tells the listed forwards from ones that apply the weight in fp32 or ignore groups."""
+    bamba = pytest.importorskip("transformers.models.bamba.modeling_bamba")
+    zamba2 = pytest.importorskip("transformers.models.zamba2.modeling_zamba2")
+    assert same_arithmetic(modeling.Mamba2RMSNorm, False) and same_arithmetic(modeling.MambaRMSNormGated, True)
+    assert same_arithmetic(bamba.BambaRMSNorm, False) and same_arithmetic(zamba2.Zamba2RMSNormGated, True)
+
+    class WeightInFp32(bamba.BambaRMSNorm):  # as transformers 5.22's NemotronHRMSNorm
+        def forward(self, hidden_states):
+            h = hidden_states.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.weight.float() * h).to(hidden_states.dtype)
+
+    class IgnoresGroups(zamba2.Zamba2RMSNormGated):
+        forward = bamba.BambaRMSNormGated.forward
+
+    assert not same_arithmetic(WeightInFp32, False)
+    assert not same_arithmetic(IgnoresGroups, True)
+    # A listed class whose forward changed that way (a later transformers) is left as it is.
+    monkeypatch.setattr(bamba.BambaRMSNorm, "forward", WeightInFp32.forward)
+    same_arithmetic.cache_clear()
+    try:
+        apply_tilegym_kernel_to_mamba2()
+        assert bamba.BambaRMSNorm.forward is WeightInFp32.forward
+        assert hasattr(bamba.BambaRMSNormGated.forward, "_tilegym_mamba2_original_norm")  # patched
+        revert_tilegym_kernel_to_mamba2()
+    finally:
+        same_arithmetic.cache_clear()
 
 
 def test_the_flag_a_second_call_and_the_revert_leave_the_norms_their_own(norm_calls):

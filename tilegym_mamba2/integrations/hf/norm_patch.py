@@ -14,6 +14,8 @@ or on one model's modules. A call that autograd would record keeps the module's 
 """
 import functools
 import importlib
+import inspect
+import logging
 import sys
 import types
 
@@ -22,8 +24,9 @@ import torch
 import tilegym_mamba2
 
 # (model type, class, whether its forward takes a gate). The hybrids' norms compute what Mamba2's
-# do (Zamba2's gated one, which NemotronH imports, per group of its ``group_size``). FalconH1's
-# gated norm is left its own: it applies the weight before rounding and may gate after the norm.
+# do (Zamba2's and NemotronH's gated ones per group of their ``group_size``); each is patched only
+# where a probe finds it equal to rms_norm (same_arithmetic). FalconH1's gated norm is not listed:
+# it applies the weight before rounding and may gate after the norm.
 NORMS = (
     ("mamba2", "MambaRMSNormGated", True),
     ("mamba2", "Mamba2RMSNorm", False),
@@ -31,12 +34,14 @@ NORMS = (
     ("bamba", "BambaRMSNorm", False),
     ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", True),
     ("granitemoehybrid", "GraniteMoeHybridRMSNorm", False),
+    ("nemotron_h", "NemotronHRMSNormGated", True),
     ("nemotron_h", "NemotronHRMSNorm", False),
     ("zamba2", "Zamba2RMSNormGated", True),
     ("zamba2", "Zamba2RMSNorm", False),
     ("falcon_h1", "FalconH1RMSNorm", False),
 )
 _ORIGINAL = "_tilegym_mamba2_original_norm"
+logger = logging.getLogger(__name__)
 
 
 def modeling_module(model_type: str, import_missing: bool, required: bool = False):
@@ -53,16 +58,47 @@ def modeling_module(model_type: str, import_missing: bool, required: bool = Fals
     return module
 
 
-def norm_classes(import_missing: bool):
-    """(class, gated) of each NORMS class whose modeling module is imported (or importable)."""
+def norm_classes(import_missing: bool, patchable_only: bool = False):
+    """(class, gated) of each NORMS class whose modeling module is imported (or importable);
+    ``patchable_only``: of those whose forward computes what rms_norm does (same_arithmetic)."""
     for model_type, class_name, gated in NORMS:
         cls = getattr(modeling_module(model_type, import_missing), class_name, None)
-        if cls is not None:
+        if cls is not None and (not patchable_only or same_arithmetic(cls, gated)):
             yield cls, gated
 
 
+@functools.cache
+def same_arithmetic(cls, gated: bool) -> bool:
+    """Whether ``cls``'s own forward equals rms_norm bit for bit on a bf16 probe (random weight,
+    two groups where its constructor takes a ``group_size``). A class whose rounding moved (from
+    transformers 5.22 NemotronHRMSNorm applies its weight in fp32 before rounding) keeps its own
+    forward rather than change a model's values."""
+    forward = cls.forward
+    forward = getattr(forward, _ORIGINAL, forward)
+    gen = torch.Generator().manual_seed(0)
+    width = 64
+    x, gate = (torch.randn(3, width, generator=gen).to(torch.bfloat16) for _ in range(2))
+    module = types.SimpleNamespace(weight=(4 * torch.randn(width, generator=gen)).to(torch.bfloat16),
+                                   variance_epsilon=1e-5)
+    if "group_size" in inspect.signature(cls.__init__).parameters:
+        module.group_size = width // 2
+    try:
+        with torch.no_grad():
+            want = forward(module, x, gate) if gated else forward(module, x)
+    except Exception as e:  # noqa: BLE001 (a forward that needs more of its module than the probe has)
+        logger.info("tilegym_mamba2: %s keeps its own forward (the probe failed: %s)", cls.__qualname__, e)
+        return False
+    from ...backends.pytorch import rms_norm_pytorch  # the backend itself: the probe is no user's call
+    got = rms_norm_pytorch(x, module.weight, gate if gated else None, module.variance_epsilon,
+                           getattr(module, "group_size", None))
+    same = want.dtype == got.dtype and torch.equal(want, got)
+    if not same:
+        logger.info("tilegym_mamba2: %s keeps its own forward (it rounds otherwise than rms_norm)", cls.__qualname__)
+    return same
+
+
 def patch_norm_classes(backend) -> None:
-    for cls, gated in norm_classes(import_missing=True):
+    for cls, gated in norm_classes(import_missing=True, patchable_only=True):
         cls.forward = patched_norm_forward(cls, gated, backend)
 
 
@@ -75,7 +111,7 @@ def revert_norm_classes() -> None:
 
 def patch_norm_modules(model, backend) -> int:
     """Points every known norm module of ``model`` at rms_norm; -> how many."""
-    known = dict(norm_classes(import_missing=False))
+    known = dict(norm_classes(import_missing=False, patchable_only=True))
     forwards, patched = {}, 0
     for module in model.modules():
         cls = type(module)
