@@ -34,7 +34,9 @@ KERNEL_CHUNK = 64
 
 def rounded(t, form="bf16"):
     """t as handed to an mma: bf16 (the kernel), "2bf16" (hi + lo, two bf16 terms: a second mma),
-    or "fp16" (3 more mantissa bits at the same cost, where the values fit its range)."""
+    "fp16" (3 more mantissa bits at the same cost, where the values fit its range) or "fp64" (as is)."""
+    if form == "fp64":
+        return t.double()
     if form == "fp16":
         return t.to(torch.float16).double()
     hi = t.to(torch.bfloat16).double()
