@@ -57,3 +57,13 @@ def test_forward_replay_rounds_as_named(form):
     got = forward_rounding.rounded(t, form)
     scale = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "2bf16": 2.0 ** -16}[form]
     assert ((got - t).abs() <= scale * t.abs()).all() and not torch.equal(got, t)
+
+
+def test_a_scaled_fp16_tile_keeps_gradients_of_a_small_loss():
+    """Output gradients at 2^-24 (a power of two: dout's bf16 bits are kept): fp16 states lose the
+    state gradients under its normal range, fp16 after a power-of-two scale per tile does not."""
+    case = (SHAPE, 3, 0.0)
+    small = 2.0 ** -24
+    scaled = backward_rounding.ratios(*case, {"states": "fp16s", "walk": "fp16s"}, loss_scale=small)
+    assert scaled == pytest.approx(backward_rounding.ratios(*case, {"states": "fp16s", "walk": "fp16s"}), abs=1e-9)
+    assert max(backward_rounding.ratios(*case, {"states": "fp16", "walk": "fp16"}, loss_scale=small).values()) > 1
