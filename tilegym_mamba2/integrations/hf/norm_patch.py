@@ -23,6 +23,8 @@ import torch
 
 import tilegym_mamba2
 
+from ...backends.pytorch import rms_norm_pytorch
+
 # (model type, class, whether its forward takes a gate). The hybrids' norms compute what Mamba2's
 # do (Zamba2's and NemotronH's gated ones per group of their ``group_size``); each is patched only
 # where a probe finds it equal to rms_norm (same_arithmetic). FalconH1's gated norm is not listed:
@@ -88,7 +90,7 @@ def same_arithmetic(cls, gated: bool) -> bool:
     except Exception as e:  # noqa: BLE001 (a forward that needs more of its module than the probe has)
         logger.info("tilegym_mamba2: %s keeps its own forward (the probe failed: %s)", cls.__qualname__, e)
         return False
-    from ...backends.pytorch import rms_norm_pytorch  # the backend itself: the probe is no user's call
+    # The backend itself, not the public call: the probe is no user's call.
     got = rms_norm_pytorch(x, module.weight, gate if gated else None, module.variance_epsilon,
                            getattr(module, "group_size", None))
     same = want.dtype == got.dtype and torch.equal(want, got)
