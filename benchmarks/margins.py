@@ -5,12 +5,12 @@
 For TileGym's 9 mamba2 test shapes plus state 256 (benchmarks/forward_rounding.py's SHAPES),
 seeds ``--first-seed`` on, and both dt draws (TileGym's, and dt_shift -2: slow decays, long sums),
 it calls ``mamba2_chunk_forward`` and ``mamba2_chunk_backward`` on Mamba2ProblemSpec's bf16 inputs
-(drawn on the CPU, so a seed is the GPU tests' and the replays' case) and prints, for out,
-final_state and every gradient, each case with a ratio above 1, then the worst |ours - float64 reference| / (atol + rtol |reference|)
-at TileGym's tolerances (above 1 fails; NaN counts as infinite), db and dc summed over each
-group's heads, and the case that gave it (``B,T,G,H,N,P,CHUNK:SEED:DT_SHIFT``, as the replays'
-``--case`` takes it). The replays (forward_rounding.py, backward_rounding.py) model these
-kernels on the CPU; this measures them.
+(drawn on the CPU, so a seed is the GPU tests' and the replays' case) and measures, for out,
+final_state and every gradient, |ours - float64 reference| / (atol + rtol |reference|) at
+TileGym's tolerances (above 1 fails; NaN counts as infinite), db and dc summed over each group's
+heads. It prints each case with a ratio above 1, then the worst ratio of each and the case that
+gave it, a case as ``B,T,G,H,N,P,CHUNK:SEED:DT_SHIFT`` (the replays' ``--case``). The replays
+(forward_rounding.py, backward_rounding.py) model these kernels on the CPU; this measures them.
 """
 import argparse
 
@@ -54,14 +54,14 @@ def main(seeds, first_seed, backend):
     above = 0
     for shape, seed, dt_shift in cases:
         ratios = case_ratios(shape, seed, dt_shift, backend)
+        case = f"{','.join(map(str, shape))}:{seed}:{dt_shift}"
         failing = {name: ratio for name, ratio in ratios.items() if not ratio <= 1}
         if failing:
             above += 1
-            print(f"above 1: {','.join(map(str, shape))}:{seed}:{dt_shift} "
-                  + " ".join(f"{name}={ratio:.3f}" for name, ratio in failing.items()), flush=True)
+            print(f"above 1: {case} " + " ".join(f"{name}={ratio:.3f}" for name, ratio in failing.items()), flush=True)
         for name, ratio in ratios.items():
             if not ratio <= worst[name][0]:
-                worst[name] = (ratio, f"{','.join(map(str, shape))}:{seed}:{dt_shift}")
+                worst[name] = (ratio, case)
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     print(f"worst |error| / allowed at TileGym's tolerances, {len(cases)} cases ({len(SHAPES)} shapes x {seeds} "
           f"seeds x 2 dt draws), backend {backend}, {device_name}: {above} cases above 1")
