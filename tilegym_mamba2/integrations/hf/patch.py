@@ -93,7 +93,7 @@ STRUCTURES = (
 )
 
 # (model type, mixer class) of the transformers models whose mixer this patch runs unchanged,
-# each checked patched-vs-unpatched in tests/integrations/hf/test_patch.py (falcon_h1 under 5.17's
+# each checked patched-vs-unpatched in tests/integrations/hf/test_hybrids.py (falcon_h1 under 5.17's
 # structure only). Not here: jamba and falcon_mamba (Mamba-1 mixers).
 MIXERS = (
     ("mamba2", "Mamba2Mixer"),
