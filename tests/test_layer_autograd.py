@@ -63,7 +63,8 @@ def test_layer_autograd_checks_its_arguments_once(monkeypatch):
     """A training step checks the layer op's tensors once, in the forward (a packed call's checks
     read its offsets back from the device, and each read waits for the queued work); the backward
     takes the arguments its forward checked. The public backward op checks them, and both give
-    the same gradients."""
+    the same gradients: the same bits, but for dz, which autograd takes from the forward's output
+    before its gate and the public op from that output computed again (fp32 roundings apart)."""
     from tilegym_mamba2.core import validation
     checks = []
     original = validation._check_packing
@@ -85,7 +86,10 @@ def test_layer_autograd_checks_its_arguments_once(monkeypatch):
         args.pop("C"), 16, **args, cu_seqlens=cu_seqlens, dt_softplus=True, backend="pytorch")
     assert checks == [1, 1]
     for (name, leaf), want in zip(leaves.items(), explicit):   # both in the order x, dt, A, B, C, D, z, dt_bias
-        assert torch.equal(leaf.grad, want), name
+        if name == "z":
+            assert not torch.equal(leaf.grad, torch.zeros_like(want)) and rel(leaf.grad, want) < 1e-6
+        else:
+            assert torch.equal(leaf.grad, want), name
 
 
 def test_layer_autograd_all_inputs():
@@ -107,3 +111,37 @@ def test_layer_autograd_all_inputs():
     for name, leaf, ref in zip(t, leaves, refs):
         assert leaf.grad is not None and leaf.grad.dtype == torch.float32, name
         assert rel(leaf.grad, ref) < 1e-4, (name, rel(leaf.grad, ref))
+
+
+@pytest.mark.parametrize("init", [None, "sequence"])
+def test_layer_backward_takes_the_forward_output_before_its_gate(init, monkeypatch):
+    """With z, the forward keeps y + D x for the backward's dz (no second forward for it), except
+    where packed sequences start from initial states of their own: those join the output after
+    the gate, and the backward computes the forward again. Either way dz is float64's."""
+    from tilegym_mamba2 import backward
+    kept, scans = [], []
+    layer_backward, scan_backward = backward.layer_backward, backward.scan_backward
+    monkeypatch.setattr(backward, "layer_backward", lambda *a, ungated=None: kept.append(ungated) or layer_backward(
+        *a, ungated=ungated))
+    monkeypatch.setattr(backward, "scan_backward", lambda *a, **kw: scans.append(kw["want_y"]) or scan_backward(
+        *a, **kw))
+    t = {k: v.float() for k, v in layer_inputs(8, 1, 50, init=init, sequences=3 if init else None).items()}
+    cu_seqlens = cu(13, 29, 50) if init else None
+    leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+    kw = dict(leaves)
+    out = tilegym_mamba2.mamba_chunk_scan_combined(kw.pop("x"), kw.pop("dt"), kw.pop("A"), kw.pop("B"), kw.pop("C"),
+                                                   16, **kw, cu_seqlens=cu_seqlens, dt_softplus=True)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    out.backward(dout)
+    r = {k: v.double().requires_grad_() for k, v in t.items()}
+    ref = layer_token_recurrence(r["x"], r["dt"], r["A"], r["B"], r["C"], r["D"], r["z"], r["dt_bias"],
+                                 r.get("initial_states"), None, cu_seqlens, True)[0]
+    want_dz, = torch.autograd.grad((ref * dout.double()).sum(), [r["z"]])
+    assert rel(leaves["z"].grad, want_dz) < 1e-5
+    if init is None:
+        ungated = layer_token_recurrence(r["x"], r["dt"], r["A"], r["B"], r["C"], r["D"], None, r["dt_bias"], None,
+                                         None, None, True)[0]
+        assert kept[0] is not None and rel(kept[0], ungated) < 1e-5
+        assert scans == [False]
+    else:
+        assert kept == [None] and scans == [True]

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .core.packing import scan_returns
+from .core.packing import per_sequence_init, scan_returns
 from .core.validation import check_scan_flags
 
 _NONE = ()  # custom ops return tensors only: an empty tensor stands for "no gradient"
@@ -43,8 +43,12 @@ class BackendOps:
     scan_combined: Callable            # mamba_chunk_scan_combined's -> its returns
     # mamba2_chunk_scan_combined_backward's -> (dx, ddt, ..., dinitial_states), without the checks:
     # the forward checked the same saved tensors, and autograd refuses a backward after any of
-    # them changed in place.
+    # them changed in place; keyword ``ungated``: scan_combined_training's, or None.
     scan_combined_backward: Callable
+    # scan_combined's call -> (its returns, the output before its gate, y + D x, or None): kept for
+    # the backward's dz, which then need not run the forward again for it. It gives the output
+    # exactly where keeps_ungated says; None: the backend keeps nothing.
+    scan_combined_training: Callable | None = None
 
 
 _BACKENDS: dict[str, BackendOps] = {}
@@ -73,18 +77,32 @@ def _run_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk
 
 def _run_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
                        dt_low, dt_high, return_varlen_states, backend):
-    """-> (out, final_states, varlen_states or an empty tensor)."""
-    result = _ops(backend).scan_combined(
-        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
-        (dt_low, dt_high), True, return_varlen_states)
-    return result[0], result[1], result[2] if return_varlen_states else x.new_empty(_NONE)
+    """-> (out, final_states, varlen_states or an empty tensor, the output before its gate or an
+    empty tensor)."""
+    ops = _ops(backend)
+    call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+            (dt_low, dt_high), True, return_varlen_states)
+    if ops.scan_combined_training is None:
+        result, ungated = ops.scan_combined(*call), None
+    else:
+        result, ungated = ops.scan_combined_training(*call)
+    return (result[0], result[1], result[2] if return_varlen_states else x.new_empty(_NONE),
+            x.new_empty(_NONE) if ungated is None else ungated)
+
+
+def keeps_ungated(backend, x, z, initial_states, cu_seqlens) -> bool:
+    """Where a backend's scan_combined_training gives the output before its gate: with z, unless
+    packed sequences start from initial states of their own (their terms join the gated output
+    after compute_out)."""
+    return (_ops(backend).scan_combined_training is not None and z is not None
+            and not per_sequence_init(initial_states, cu_seqlens, x.shape[0]))
 
 
 def _run_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias,
-                                initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high, backend):
+                                initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high, ungated, backend):
     return _ops(backend).scan_combined_backward(
         dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-        cu_seqlens, dt_softplus, (dt_low, dt_high))
+        cu_seqlens, dt_softplus, (dt_low, dt_high), ungated=ungated)
 
 
 # --- mamba2_chunk_forward ------------------------------------------------------------------
@@ -143,7 +161,7 @@ chunk_forward.register_autograd(_chunk_grads, setup_context=_chunk_setup)
 def scan_combined(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor | None,
                   z: Tensor | None, dt_bias: Tensor | None, initial_states: Tensor | None, seq_idx: Tensor | None,
                   cu_seqlens: Tensor | None, dt_softplus: bool, dt_low: float, dt_high: float,
-                  return_varlen_states: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                  return_varlen_states: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return tuple(t.contiguous() for t in _run_scan_combined(
         x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high,
         return_varlen_states, backend))
@@ -156,7 +174,9 @@ def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seq
     state = (heads, head_size, B.shape[3])
     final_states = x.new_empty(batch, *state, dtype=_state_dtype(x))
     varlen = (C.new_empty(cu_seqlens.shape[0] - 1, *state) if return_varlen_states else x.new_empty(_NONE))
-    return x.new_empty(x.shape), final_states, varlen
+    ungated = (x.new_empty(x.shape) if keeps_ungated(backend, x, z, initial_states, cu_seqlens)
+               else x.new_empty(_NONE))
+    return x.new_empty(x.shape), final_states, varlen, ungated
 
 
 @torch.library.custom_op("tilegym_mamba2::scan_combined_backward", mutates_args=())
@@ -164,17 +184,17 @@ def scan_combined_backward(dout: Tensor, dfinal_states: Tensor, dvarlen_states: 
                            dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor | None,
                            z: Tensor | None, dt_bias: Tensor | None, initial_states: Tensor | None,
                            seq_idx: Tensor | None, cu_seqlens: Tensor | None, dt_softplus: bool, dt_low: float,
-                           dt_high: float, backend: str) -> list[Tensor]:
+                           dt_high: float, ungated: Tensor | None, backend: str) -> list[Tensor]:
     grads = _run_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z,
                                         dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_low, dt_high,
-                                        backend)
+                                        ungated, backend)
     inputs = (dout, dfinal_states, dvarlen_states, x, dt, A, B, C, D, z, dt_bias, initial_states)
     return [x.new_empty(_NONE) if g is None else g.clone() if _aliases(g, inputs) else g.contiguous() for g in grads]
 
 
 @scan_combined_backward.register_fake
 def _(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-      cu_seqlens, dt_softplus, dt_low, dt_high, backend):
+      cu_seqlens, dt_softplus, dt_low, dt_high, ungated, backend):
     return [x.new_empty(_NONE) if t is None else t.new_empty(t.shape)
             for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)]
 
@@ -182,11 +202,14 @@ def _(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D, z, dt_
 def _layer_setup(ctx, inputs, output):
     (x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ctx.dt_softplus,
      ctx.dt_low, ctx.dt_high, ctx.return_varlen_states, ctx.backend) = inputs
-    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
+    # The output before its gate, where the backend kept it (one more tensor like x per call, as
+    # mamba_ssm keeps): the backward's dz reads it instead of running compute_out again.
+    ungated = output[3] if output[3].ndim else None  # _NONE's tensor has no dimensions
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ungated)
 
 
-def _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=scan_combined_backward):
-    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+def _layer_grads(ctx, dout, dfinal_states, dvarlen_states, dungated=None, backward=scan_combined_backward):
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ungated = ctx.saved_tensors
     dout, dfinal_states = _zeros_for_unused(x, B, dout, dfinal_states)
     # varlen states the loss left out stay None (eager calls): a gradient for them, even of
     # zeros, takes the backward's per-sequence edge terms.
@@ -195,7 +218,7 @@ def _layer_grads(ctx, dout, dfinal_states, dvarlen_states, backward=scan_combine
     grads = backward(
         dout.contiguous(), dfinal_states.contiguous(),
         None if dvarlen_states is None else dvarlen_states.contiguous(), x, dt, A, B, C, ctx.chunk_size, D, z,
-        dt_bias, initial_states, seq_idx, cu_seqlens, ctx.dt_softplus, ctx.dt_low, ctx.dt_high, ctx.backend)
+        dt_bias, initial_states, seq_idx, cu_seqlens, ctx.dt_softplus, ctx.dt_low, ctx.dt_high, ungated, ctx.backend)
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = [None if t is None else g.to(t.dtype)
                                                     for g, t in zip(grads, (x, dt, A, B, C, D, z, dt_bias,
                                                                             initial_states))]
@@ -231,7 +254,7 @@ def _eager_function(name, setup, run, grads, run_backward):
     """A torch.autograd.Function with a custom op's setup, forward and gradients."""
     def forward(ctx, *inputs):
         outputs = run(*inputs)  # first: the backend's checks name a bad argument before setup saves it
-        setup(ctx, inputs, None)
+        setup(ctx, inputs, outputs)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return outputs
 
@@ -266,6 +289,7 @@ def differentiable_scan_combined(x, dt, A, B, C, chunk_size, D, z, dt_bias, init
         # packed call's checks read its offsets back from the device: a second check waits twice).
         check_scan_flags(dt_softplus, dt_limit, return_final_states, return_varlen_states)
         op = _EagerScanCombined.apply
-    out, final_states, varlen = op(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                                   dt_softplus, float(dt_limit[0]), float(dt_limit[1]), return_varlen_states, backend)
+    out, final_states, varlen, _ = op(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                      cu_seqlens, dt_softplus, float(dt_limit[0]), float(dt_limit[1]),
+                                      return_varlen_states, backend)
     return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)

@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .core.packing import seq_idx_from_cu_seqlens
+from .core.packing import per_sequence_init, seq_idx_from_cu_seqlens
 from .core.quarantine import quarantine_layer
 from .core.tensors import expand_groups, group_sums
 from .core.validation import check_scan_combined_args, scan_combined_args
@@ -44,28 +44,30 @@ from .reference.layer import gate_dy_reference, gate_dz_reference, process_dt, p
 
 def scan_combined_backward(kernels_for, dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size, D=None,
                            z=None, dt_bias=None, initial_states=None, seq_idx=None, cu_seqlens=None,
-                           dt_softplus=False, dt_limit=(0.0, float("inf")), *, backend, checked=False):
+                           dt_softplus=False, dt_limit=(0.0, float("inf")), *, backend, checked=False, ungated=None):
     """Gradients of mamba_chunk_scan_combined (the registry op mamba2_chunk_scan_combined_backward,
     and what autograd.py runs, with ``checked``): (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None where
     the input is None. ``kernels_for(dtype)``: the backend's Kernels for inputs of that dtype.
     ``checked``: the forward checked these very arguments (autograd's call: its saved tensors
     cannot have changed since), so their checks, which read packed offsets back from the device,
-    are not repeated."""
+    are not repeated. ``ungated``: the forward's output before its gate, y + D x (with z), where
+    autograd kept it (autograd.keeps_ungated), else None: then the forward runs again for it."""
     call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
             True, dvarlen_states is not None)
     saved = scan_combined_args(*call) if checked else check_scan_combined_args(*call, backend=backend)
     kernels = kernels_for(x.dtype)
     if kernels.isolates_sequences or (saved.seq_idx is None and saved.cu_seqlens is None):
-        return layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states)
-    return _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states)
+        return layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states, ungated=ungated)
+    return _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states, ungated)
 
 
-def _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states):
+def _quarantined_layer_backward(kernels, saved, dout, dfinal_states, dvarlen_states, ungated):
     """layer_backward on kernels that keep packed sequences apart by zero weights
     (core/quarantine.py): a sequence with a non-finite input or output gradient gets NaN
-    gradients, and no other sequence sees its values."""
+    gradients, and no other sequence sees its values (``ungated`` of such a sequence, from the
+    forward's own quarantine, reaches only its poisoned dz)."""
     quarantine, clean, grads = quarantine_layer(saved, dout, dfinal_states, dvarlen_states)
-    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = layer_backward(kernels, clean, *grads)
+    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinit = layer_backward(kernels, clean, *grads, ungated=ungated)
     tokens, shared = quarantine.poison_tokens, quarantine.poison_shared
     dinit = (quarantine.poison_sequences(dinit) if quarantine.per_sequence_init
              else quarantine.poison_row_firsts(dinit))
@@ -110,20 +112,19 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     scan = kernels.scan
     dt = dt.to(acc)
     log_decay = A.to(acc) * dt
-    per_sequence_init = (initial_states is not None and cu_seqlens is not None
-                         and initial_states.shape[0] != batch)
+    own_inits = per_sequence_init(initial_states, cu_seqlens, batch)
     row_init_as_sequences = no_init = False
     if cu_seqlens is not None and cu_seqlens.numel() - 1 != batch and (
-            per_sequence_init or dvarlen_states is not None):
+            own_inits or dvarlen_states is not None):
         # Initial states and state gradients at sequence edges inside chunks: both scans take
         # them per sequence, chunk_grads' results get their terms (sequence_edge_terms).
         state = (heads, x.shape[3], B.shape[3])
         sequences = cu_seqlens.numel() - 1
-        if not per_sequence_init:
+        if not own_inits:
             row_init_as_sequences, no_init = initial_states is not None, initial_states is None
             first = initial_states if initial_states is not None else x.new_zeros(1, *state, dtype=acc)
             initial_states = torch.cat([first.to(acc), first.new_zeros(sequences - 1, *state)])
-            per_sequence_init = True
+            own_inits = True
         if dvarlen_states is None:
             dvarlen_states = x.new_zeros(sequences, *state, dtype=acc)
     y, _, _, states = scan(x, B, C, dt, log_decay, initial_states, seq_idx, cu_seqlens, outputs=want_y)
@@ -131,13 +132,13 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     # 2, states only: chunk_grads makes every gradient from the two scans' chunk states. The
     # outputs' varlen states are dh at each sequence's first token (for per-sequence dinit).
     rev_init = _reverse_init(dfinal_states, dvarlen_states)
-    if kernels.reversed_scan is not None and not per_sequence_init:
+    if kernels.reversed_scan is not None and not own_inits:
         rev = kernels.reversed_scan(dy, C, states, rev_init, seq_idx)
     else:
-        rev = _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, per_sequence_init)
+        rev = _flipped_scan(kernels, dy, B, C, log_decay, rev_init, seq_idx, cu_seqlens, own_inits)
     dh_first, dh_starts = rev[1], rev[2]
     dx, ddt, dA, dB, dC, dskip = kernels.chunk_grads(x, B, C, dy, A.to(acc), seq_idx, states, rev[3], skip, dy_low)
-    if per_sequence_init:  # ddt and dA are linear in dl
+    if own_inits:  # ddt and dA are linear in dl
         edges = sequence_edge_terms(x, B, C, dy if dy_low is None else dy.to(acc) + dy_low.to(acc), dt, log_decay,
                                     cu_seqlens, seq_idx, initial_states, rev_init.flip(0))
         dx = torch.addcmul(dx.to(acc), edges.dxs, dt[..., None]).to(x.dtype)
@@ -147,7 +148,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
 
     dinit = None
     if initial_states is not None:
-        if per_sequence_init:
+        if own_inits:
             # One state per sequence: the reversed scan's sequence ends are the first tokens.
             starts = cu_seqlens[:-1].long()
             dinit = torch.exp(log_decay[0, starts])[..., None, None] * dh_starts.flip(0).to(acc)
@@ -258,10 +259,11 @@ def _reverse_init(dfinal_states, dvarlen_states):
     return starts
 
 
-def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None):
+def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None, ungated=None):
     """Gradients of mamba_chunk_scan_combined. ``saved``: its checked arguments
-    (core/validation.py, ScanCombinedArgs). -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states),
-    each in its input's dtype, None for an input that is None."""
+    (core/validation.py, ScanCombinedArgs); ``ungated``: y + D x from the forward, or None.
+    -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), each in its input's dtype, None for
+    an input that is None."""
     x, dt_raw, A, B, C, D, z, dt_bias = saved.x, saved.dt, saved.A, saved.B, saved.C, saved.D, saved.z, saved.dt_bias
     initial_states, seq_idx, cu_seqlens = saved.initial_states, saved.seq_idx, saved.cu_seqlens
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -273,10 +275,15 @@ def layer_backward(kernels, saved, dout, dfinal_states=None, dvarlen_states=None
     dy_high, dy_low = (dout.to(x.dtype), None) if z is None else kernels.gate_dy(dout, z, x.dtype)
     dx, dB, dC, ddt, dA, dinit, dskip, y = scan_backward(
         kernels, x, A, B, C, dt, dy_high, skip, initial_states=initial_states, seq_idx=seq_idx,
-        cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states, want_y=z is not None,
-        dy_low=dy_low)
+        cu_seqlens=cu_seqlens, dfinal_states=dfinal_states, dvarlen_states=dvarlen_states,
+        want_y=z is not None and ungated is None, dy_low=dy_low)
     dD = None if D is None else (dskip[:, 0] if D.ndim == 1 else dskip).to(D.dtype)
-    dz = None if z is None else kernels.gate_dz(dout, z, y, x, skip)
+    if z is None:
+        dz = None
+    elif ungated is not None:  # D x is in it already
+        dz = kernels.gate_dz(dout, z, ungated, x, None)
+    else:
+        dz = kernels.gate_dz(dout, z, y, x, skip)
     ddt_raw = ddt * process_dt_slope(dt_raw, dt_bias, saved.dt_softplus, saved.dt_limit, dtype=acc)
     ddt_bias = None if dt_bias is None else ddt_raw.sum((0, 1)).to(dt_bias.dtype)
     return (dx, ddt_raw.to(dt_raw.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dz, ddt_bias,

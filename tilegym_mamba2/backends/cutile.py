@@ -8,7 +8,8 @@ import contextlib
 
 import torch
 
-from ..autograd import BackendOps, differentiable_chunk_forward, differentiable_scan_combined, provide, wanted
+from ..autograd import (BackendOps, differentiable_chunk_forward, differentiable_scan_combined, keeps_ungated, provide,
+                        wanted)
 from ..backward import Kernels, chunk_backward, scan_combined_backward
 from ..core.packing import scan_returns
 from ..core.quarantine import quarantine_layer
@@ -17,6 +18,7 @@ from ..core.validation import (NO_LIMIT, backward_args, check_backward_args, che
                                check_scan_combined_args, forward_args, scan_combined_args)
 from ..cutile import gate_grads, plan, scan
 from ..cutile.forward import run_stages
+from ..cutile.launch import new_output
 from ..cutile.scan_combined import layer_config, run_layer
 
 MAX_STATE = 256  # the widest state a kernel carries; wider ones run in halves
@@ -91,7 +93,19 @@ def scan_combined_kernels(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=No
     plan (plan.py), except with packed sequences, whose offsets are checked every call."""
     call = (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
             return_final_states, return_varlen_states)
+    return _layer_kernels(call, keep_ungated=False)[0]
+
+
+def scan_combined_training(*call):
+    """scan_combined_kernels' call for autograd -> (its returns, y + D x before the gate where
+    autograd.keeps_ungated, else None): the backward's dz takes it instead of running the
+    forward's output kernel again."""
+    return _layer_kernels(call, keep_ungated=True)
+
+
+def _layer_kernels(call, keep_ungated):
     signature = plan.signature("layer", *call)
+    seq_idx, cu_seqlens, return_final_states, return_varlen_states = call[10], call[11], call[14], call[15]
     packed = seq_idx is not None or cu_seqlens is not None
     key = None if packed else signature
     config = plan.planned(key)
@@ -99,26 +113,29 @@ def scan_combined_kernels(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=No
         args = check_scan_combined_args(*call, backend="cutile")
     else:
         args = scan_combined_args(*call)
+    ungated = new_output(*args.x.shape, dtype=args.x.dtype, device=args.x.device) if keep_ungated and keeps_ungated(
+        "cutile", args.x, args.z, args.initial_states, args.cu_seqlens) else None
     # A packed call is checked every time but compiles only the first time its signature comes.
     seen_key = None if signature is None else ("packed", signature)
     seen = config if not packed else plan.planned(seen_key)
-    with compile_errors_explained(), _noticed(seen, "mamba_chunk_scan_combined", x):
+    with compile_errors_explained(), _noticed(seen, "mamba_chunk_scan_combined", args.x):
         if config is None:
             config = layer_config(args)
             plan.remember(key, config)
         if not packed:
-            out, final_states, varlen = run_layer(args, config=config)
+            out, final_states, varlen = run_layer(args, config=config, ungated=ungated)
         else:
-            out, final_states, varlen = _quarantined_layer(args, config)
+            out, final_states, varlen = _quarantined_layer(args, config, ungated)
             plan.remember(seen_key, True)
-    return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states)
+    return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states), ungated
 
 
-def _quarantined_layer(args, config):
+def _quarantined_layer(args, config, ungated=None):
     """run_layer on packed sequences (core/quarantine.py): the kernels keep sequences apart by
-    zero weights, so a sequence with a non-finite input runs on zeros there and comes out NaN."""
+    zero weights, so a sequence with a non-finite input runs on zeros there and comes out NaN.
+    ``ungated`` stays unpoisoned: the backward's own quarantine poisons that sequence's gradients."""
     quarantine, clean, _ = quarantine_layer(args)
-    out, final_states, varlen = run_layer(clean, config=config)
+    out, final_states, varlen = run_layer(clean, config=config, ungated=ungated)
     return (quarantine.poison_tokens(out), quarantine.poison_row_lasts(final_states),
             quarantine.poison_sequences(varlen))
 
@@ -167,11 +184,11 @@ def mamba_chunk_scan_combined_backward(dout, dfinal_states, dvarlen_states, x, d
                                       dt_limit, backend="cutile")
 
 
-def _checked_scan_combined_backward(*args):
+def _checked_scan_combined_backward(*args, ungated=None):
     """Autograd's backward of the layer op: the forward checked these arguments."""
     with compile_errors_explained():
-        return scan_combined_backward(lambda dtype: KERNELS, *args, backend="cutile", checked=True)
+        return scan_combined_backward(lambda dtype: KERNELS, *args, backend="cutile", checked=True, ungated=ungated)
 
 
 provide("cutile", BackendOps(chunk_forward_kernels, mamba2_chunk_backward, scan_combined_kernels,
-                             _checked_scan_combined_backward))
+                             _checked_scan_combined_backward, scan_combined_training))

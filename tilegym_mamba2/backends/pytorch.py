@@ -9,7 +9,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..autograd import BackendOps, differentiable_chunk_forward, differentiable_scan_combined, provide, wanted
+from ..autograd import (BackendOps, differentiable_chunk_forward, differentiable_scan_combined, keeps_ungated, provide,
+                        wanted)
 from ..backward import Kernels, chunk_backward, input_grad, scan_combined_backward
 from ..core.packing import scan_returns
 from ..core.serving_validation import (check_conv_args, check_conv_update_args, check_rms_norm_args,
@@ -67,9 +68,18 @@ def scan_combined_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=
                             seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=NO_LIMIT,
                             return_final_states=False, return_varlen_states=False):
     """The layer op without autograd."""
-    args = check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                                    cu_seqlens, dt_softplus, dt_limit, return_final_states,
-                                    return_varlen_states, backend="pytorch")
+    return _layer_reference((x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                             dt_softplus, dt_limit, return_final_states, return_varlen_states), False)[0]
+
+
+def scan_combined_training_reference(*call):
+    """scan_combined_reference's call for autograd -> (its returns, the output before its gate in
+    x's dtype where autograd.keeps_ungated, else None)."""
+    return _layer_reference(call, True)
+
+
+def _layer_reference(call, keep_ungated):
+    args = check_scan_combined_args(*call, backend="pytorch")
     x, dt, A, B, C, chunk_size, D, z = args.x, args.dt, args.A, args.B, args.C, args.chunk_size, args.D, args.z
     initial_states, seq_idx, cu_seqlens = args.initial_states, args.seq_idx, args.cu_seqlens
     dtype = compute_dtype(x)
@@ -78,12 +88,15 @@ def scan_combined_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=
                                                chunk_size=chunk_size, dtype=dtype)
     if D is not None:
         out = out + (D[:, None] if D.ndim == 1 else D) * x.to(dtype)
+    ungated = None
+    if keep_ungated and keeps_ungated("pytorch", x, z, initial_states, cu_seqlens):
+        ungated = out.to(x.dtype)
     if z is not None:
         out = out * F.silu(z.to(dtype))
     # mamba_ssm returns the per-sequence states in C's dtype (the final states in fp32).
     varlen_states = varlen.to(C.dtype) if cu_seqlens is not None else None
     return scan_returns(out.to(x.dtype), final_states, varlen_states, args.return_final_states,
-                    args.return_varlen_states)
+                        args.return_varlen_states), ungated
 
 
 def mamba_chunk_scan_combined_backward_pytorch(dout, dfinal_states, dvarlen_states, x, dt, A, B, C, chunk_size,
@@ -151,10 +164,10 @@ def rms_norm_pytorch(x, weight, gate=None, eps=1e-6, group_size=None):
     return rms_norm_reference(check_rms_norm_args(x, weight, gate, eps, group_size, backend="pytorch"))
 
 
-def _checked_scan_combined_backward(*args):
+def _checked_scan_combined_backward(*args, ungated=None):
     """Autograd's backward of the layer op: the forward checked these arguments."""
-    return scan_combined_backward(kernels_for, *args, backend="pytorch", checked=True)
+    return scan_combined_backward(kernels_for, *args, backend="pytorch", checked=True, ungated=ungated)
 
 
 provide("pytorch", BackendOps(chunk_forward_reference, mamba2_chunk_backward_pytorch, scan_combined_reference,
-                              _checked_scan_combined_backward))
+                              _checked_scan_combined_backward, scan_combined_training_reference))

@@ -10,6 +10,12 @@ def seq_idx_from_cu_seqlens(cu_seqlens, tokens):
     return torch.searchsorted(cu_seqlens[1:].contiguous(), tokens_range, right=True).to(torch.int32)[None]
 
 
+def per_sequence_init(initial_states, cu_seqlens, batch) -> bool:
+    """Whether packed sequences start from initial states of their own ([num_sequences, ...] with
+    cu_seqlens), not from their row's."""
+    return initial_states is not None and cu_seqlens is not None and initial_states.shape[0] != batch
+
+
 def sequence_runs(seq_idx, batch, tokens):
     """-> per batch row, a list of (start, end, sequence id) token ranges (host lists)."""
     if seq_idx is None:

@@ -25,7 +25,7 @@ is right for any input.
 """
 import torch
 
-from .packing import seq_idx_from_cu_seqlens
+from .packing import per_sequence_init, seq_idx_from_cu_seqlens
 
 
 def _nonfinite_tokens(t):
@@ -144,8 +144,7 @@ def quarantine_layer(args, dout=None, dfinal_states=None, dvarlen_states=None):
         return NothingMarked(), args, grads
     quarantine = Quarantine(args.seq_idx, args.cu_seqlens, x.shape[0], x.shape[1], x.device)
     quarantine.mark_tokens(x, args.dt, args.B, args.C, args.z, dout)
-    quarantine.per_sequence_init = (args.initial_states is not None and args.cu_seqlens is not None
-                                    and args.initial_states.shape[0] != x.shape[0])
+    quarantine.per_sequence_init = per_sequence_init(args.initial_states, args.cu_seqlens, x.shape[0])
     if quarantine.per_sequence_init:
         quarantine.mark_sequences(args.initial_states)
     else:

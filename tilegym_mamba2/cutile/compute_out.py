@@ -28,8 +28,8 @@ NO_SKIP, SKIP_PER_HEAD, SKIP_PER_CHANNEL = 0, 1, 2
 
 
 @ct.kernel(occupancy=2)
-def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, entry_states, out, final_state,
-                       store_final, chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
+def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, entry_states, out, ungated,
+                       final_state, store_final, store_ungated, chunks_per_segment, chunk_size: ct.Constant[int], head_tile: ct.Constant[int],
                        state_size: ct.Constant[int], skip_mode: ct.Constant[int],
                        has_z: ct.Constant[bool], has_seq: ct.Constant[bool], has_scores: ct.Constant[bool],
                        load_latency: ct.Constant[int], tf32: ct.Constant[bool]):
@@ -98,6 +98,9 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
         if skip_mode != NO_SKIP:
             y = y + skip * x_tile.astype(ct.float32)
         if has_z:
+            if store_ungated != 0:
+                ct.store(ungated, (batch, chunk, head, p_tile),
+                         y.astype(ungated.dtype).reshape((1, chunk_size, 1, head_tile)))
             gate = ct.load(z, (batch, chunk, head, p_tile), (1, chunk_size, 1, head_tile),
                            padding_mode=ct.PaddingMode.ZERO).reshape((chunk_size, head_tile)).astype(ct.float32)
             y = y * gate / (1.0 + ct.exp(-gate))
@@ -105,7 +108,7 @@ def compute_out_kernel(x, b, c, d, z, seq_idx, scores, dt_bht, decay_cumsum, ent
 
         weighted_b = (b_tile.astype(ct.float32) * later_weight[:, None]).astype(mma_dtype)
         state = ct.mma(ct.transpose(x_tile.astype(mma_dtype)), weighted_b, state * keep)
-    # A runtime switch, so both uses share one compiled kernel.
+    # Runtime switches (store_ungated too), so both uses share one compiled kernel.
     if store_final != 0:
         ct.store(final_state, (batch, head, p_tile, 0), state.reshape((1, 1, head_tile, state_size)))
 
@@ -115,11 +118,12 @@ KERNELS = {2: compute_out_kernel, 1: compute_out_kernel.replace_hints(occupancy=
 
 
 def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk_size, config, *,
-                store_final=False, z=None, seq_idx=None):
+                store_final=False, z=None, seq_idx=None, ungated=None):
     """entry_states: [batch, heads, segments * state_size, head_size] fp32, as the state pass
     leaves them; d: [heads], [heads, head_size] or None; z: like x or None; seq_idx: [batch, tokens]
     int32 or None; final_state: [batch, heads, head_size, state_size] fp32, written when
-    ``store_final`` (one segment per row: its block walks the whole row), else unread.
+    ``store_final`` (one segment per row: its block walks the whole row), else unread; ungated:
+    like x or None, with z: gets y + d x before the gate (what the backward's dz takes).
     -> out [batch, tokens, heads, head_size] in x's dtype."""
     batch, _, heads, head_size = x.shape
     segments = segment_count(dt_bht, chunk_size, config)
@@ -131,7 +135,8 @@ def compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chu
     launch(grid, KERNELS[config.out_occupancy],
            (x, b, c, unused if d is None else d, unused if z is None else z,
             unused if seq_idx is None else seq_idx, unused if scores is None else scores, dt_bht, decay_cumsum,
-            entry_states, out, final_state, int(store_final),
+            entry_states, out, out if ungated is None else ungated, final_state, int(store_final),
+            int(ungated is not None),
             config.chunks_per_segment, chunk_size, config.out_head_tile, b.shape[3], skip_mode,
             z is not None, seq_idx is not None, scores is not None, config.out_load_latency, tf32_mma(x.dtype)))
     return out

@@ -48,8 +48,8 @@ def run_stages(x, a, b, c, d, dt, init_state, chunk_size, config: Config | None 
     return Stages(config, dt_bht, decay_cumsum, entry_states, final_state, out)
 
 
-def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=None, seq_idx=None):
-    """Stages 2 and 3 -> (entry_states, final_state, out). With one segment per row and no packed
+def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=None, seq_idx=None, ungated=None):
+    """Stages 2 and 3 -> (entry_states, final_state, out); ``ungated`` (with z): compute_out's. With one segment per row and no packed
     sequences, compute_out's blocks walk whole rows from the initial state and leave the final
     state, so the state pass has nothing to do."""
     chunk = config.chunk_size
@@ -57,7 +57,7 @@ def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=No
         entry_states, final_state = fwd_pass_state(x, b, dt_bht, decay_cumsum, init_state, chunk, config,
                                                    seq_idx=seq_idx)
         out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk, config, z=z,
-                          seq_idx=seq_idx)
+                          seq_idx=seq_idx, ungated=ungated)
         return entry_states, final_state, out
     batch, _, heads, head_size = x.shape
     state_size = b.shape[3]
@@ -67,7 +67,7 @@ def states_and_out(x, b, c, d, dt_bht, decay_cumsum, init_state, config, *, z=No
         entry_states = init_state.transpose(-1, -2).contiguous()
     final_state = new_output(batch, heads, head_size, state_size, dtype=torch.float32, device=x.device)
     out = compute_out(x, b, c, d, dt_bht, decay_cumsum, entry_states, final_state, chunk, config, z=z,
-                      store_final=True)
+                      store_final=True, ungated=ungated)
     return entry_states, final_state, out
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from ..core.packing import per_sequence_init
 from ..core.tensors import group_sums
 from .chunk_cumsum import given_decay_cumsum
 from .chunk_grads import chunk_grads as chunk_grads_kernel
@@ -37,7 +38,7 @@ def scan(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqlens=None, *
     x, b, c = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, b, c))
     if not outputs:
         # Chunk states only: per-sequence initial states stay out of them, as in scan_stages.
-        row_init = None if init is not None and cu is not None and init.shape[0] != batch else init
+        row_init = None if per_sequence_init(init, cu, batch) else init
         # The walk: the state pass's bits, 2.0-2.4x faster, packed sequences included
         # (docs/design.md, Decisions).
         entry_states, final_states = chunk_states_walk(x, b, weight_bht, decay_cumsum, row_init, chunk, seq_idx=seq)

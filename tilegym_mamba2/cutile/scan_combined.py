@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from ..core.packing import seq_idx_from_cu_seqlens
+from ..core.packing import per_sequence_init, seq_idx_from_cu_seqlens
 from .forward import config_for, states_and_out
 from .chunk_cumsum import chunk_cumsum
 from .sequence_init import add_sequence_initial_states
@@ -27,9 +27,11 @@ def layer_config(args):
                       run_candidate=run_candidate)
 
 
-def run_layer(args, config=None):
+def run_layer(args, config=None, *, ungated=None):
     """Runs the stages on checked arguments (ScanCombinedArgs) -> (out, final_states, varlen_states
-    or None, returned when args.return_varlen_states)."""
+    or None, returned when args.return_varlen_states). ``ungated``: like x or None, with z and
+    no per-sequence initial states (their terms join the gated output afterwards): gets y + D x,
+    the output before its gate (autograd.keeps_ungated)."""
     x, dt, A, B, C, D, z = args.x, args.dt, args.A, args.B, args.C, args.D, args.z
     seq_idx, cu_seqlens, with_varlen_states = args.seq_idx, args.cu_seqlens, args.return_varlen_states
     batch, tokens = x.shape[:2]
@@ -45,33 +47,34 @@ def run_layer(args, config=None):
     dt_bht, decay_cumsum = chunk_cumsum(dt, A, chunk, dt_bias=args.dt_bias, softplus=args.dt_softplus,
                                         dt_limit=args.dt_limit)
     out, final_states, varlen, _ = scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, args.initial_states, seq,
-                                               cu_seqlens, config, with_varlen_states=with_varlen_states)
+                                               cu_seqlens, config, with_varlen_states=with_varlen_states,
+                                               ungated=ungated)
     if varlen is not None and with_varlen_states:
         varlen = varlen.to(C.dtype)  # mamba_ssm's dtype for them
     return out, final_states, varlen
 
 
 def scan_stages(x, B, C, D, z, dt_bht, decay_cumsum, initial_states, seq, cu_seqlens, config, *,
-                with_varlen_states=False):
+                with_varlen_states=False, ungated=None):
     """Stages 2 and 3 with every packing option -> (out, final_states, varlen_states fp32 or None,
-    entry_states as the state pass leaves them).
+    entry_states as the state pass leaves them); ``ungated``: see run_layer.
     The backward's scans (cutile/scan.py) run them too, with their own weights and decays."""
     batch = x.shape[0]
-    per_sequence_init = (initial_states is not None and cu_seqlens is not None
-                         and initial_states.shape[0] != batch)
-    if with_varlen_states or per_sequence_init:
+    own_inits = per_sequence_init(initial_states, cu_seqlens, batch)
+    assert ungated is None or not own_inits, "autograd.keeps_ungated says where ungated is kept"
+    if with_varlen_states or own_inits:
         # Each varlen state walks up to a segment of chunks: shorter segments than the plain op's
         # tuned ones pay here (docs/design.md, Decisions: varlen segments).
         config = replace(config, chunks_per_segment=min(config.chunks_per_segment, VARLEN_MAX_SEGMENT_CHUNKS))
     chunk = config.chunk_size
-    row_init = None if per_sequence_init else initial_states
+    row_init = None if own_inits else initial_states
     entry_states, final_states, out = states_and_out(x, B, C, D, dt_bht, decay_cumsum, row_init, config, z=z,
-                                                     seq_idx=seq)
+                                                     seq_idx=seq, ungated=ungated)
     varlen = None
-    if with_varlen_states or per_sequence_init:
+    if with_varlen_states or own_inits:
         varlen = varlen_states(x, B, dt_bht, decay_cumsum, seq, cu_seqlens, entry_states, chunk, config,
                                dtype=torch.float32)
-    if per_sequence_init:
+    if own_inits:
         add_sequence_initial_states(out, varlen, x, C, z, decay_cumsum, cu_seqlens, initial_states, chunk, config)
         final_states = varlen[-1:].clone()
     elif varlen is not None:

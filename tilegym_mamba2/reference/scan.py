@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..core.packing import seq_idx_from_cu_seqlens, sequences
+from ..core.packing import per_sequence_init, seq_idx_from_cu_seqlens, sequences
 from ..core.tensors import expand_groups
 from .ssd import chunk_output_reference, chunk_states_reference, chunked as chunked_tokens, decay_cumsum_reference
 
@@ -34,7 +34,7 @@ def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqle
         if cu_seqlens is not None and seq_idx is None:
             seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
         # Per-sequence initial states stay out of the chunk states, as in the kernels.
-        row_init = None if init is not None and cu_seqlens is not None and init.shape[0] != batch else init
+        row_init = None if per_sequence_init(init, cu_seqlens, batch) else init
         states = chunk_entry_states(x, b, weight, log_decay, row_init, seq_idx, chunk_size, dtype)
         y, final_states, varlen = scan_reference(x, b, c, weight, log_decay, init, seq_idx, cu_seqlens,
                                                  chunk_size=chunk_size, dtype=dtype)
