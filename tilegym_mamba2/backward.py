@@ -7,7 +7,8 @@ With dh_t the gradient reaching h_t (dh after the last token is dfinal_state):
     dx_t = dt_t dh_t b_t            dc_t = h_t^T dy_t            db_t = dt_t dh_t^T x_t
 
 Two scans and one chunk-local step give everything that involves a state:
-    1. the forward again                                  -> its chunk entry states (y too, for dz)
+    1. the forward again                                  -> its chunk entry states (y too, for dz,
+                                                             where autograd did not keep y + D x)
     2. backwards: x <- dy, b <- c, weight 1               -> the chunk states of dh
     3. chunk_grads: per chunk, from the state S entering it and the gradient dS of the state
        leaving it, dx (dt_t dh_t b_t + skip dy_t), x_t . dh_t b_t, dc, db and the decay gradient
