@@ -20,8 +20,10 @@ import torch
 from ..core.tensors import pow2_at_least
 from .launch import launch, new_output
 
-ELEMENTS_PER_BLOCK = 4096
-CHANNELS_TILE_MAX = 256
+# Tiles of 16384 elements, up to 1024 channels wide: dz 0.355 -> 0.212 ms and dy 0.264 -> 0.187 ms
+# on the 2.7B layer's training step (H200) against 4096 and 256, ~3.2-3.6 TB/s.
+ELEMENTS_PER_BLOCK = 16384
+CHANNELS_TILE_MAX = 1024
 
 
 @ct.function
