@@ -5,8 +5,10 @@ training step instead: the forward and, through autograd, the gradients of every
 loss of the output alone (what a model's loss.backward() runs), ours returning varlen states as
 in the forward cases, mamba_ssm without them (its backward refuses them).
 
-Cases: raw dt with dt_bias and softplus, D per head and z gating (mamba_ssm's Mamba2 defaults),
-on whole rows and on packed batches (cu_seqlens and seq_idx, varlen states returned).
+Cases: raw dt with dt_bias and softplus and D per head (mamba_ssm's Mamba2 defaults), and z gating
+in the scan (as Mamba2 calls it with rmsnorm=False; with its default gated norm z goes to the norm
+and the scan gets none), on whole rows and on packed batches (cu_seqlens and seq_idx, varlen
+states returned).
 """
 import time
 from dataclasses import dataclass
