@@ -105,7 +105,7 @@ def scan_combined_training(*call):
 
 def _layer_kernels(call, keep_ungated):
     signature = plan.signature("layer", *call)
-    seq_idx, cu_seqlens, return_final_states, return_varlen_states = call[10], call[11], call[14], call[15]
+    *_, seq_idx, cu_seqlens, _, _, return_final_states, return_varlen_states = call
     packed = seq_idx is not None or cu_seqlens is not None
     key = None if packed else signature
     config = plan.planned(key)
