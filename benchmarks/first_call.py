@@ -19,7 +19,10 @@ MODE:
   shape B,T,G,H,N,P[,CHUNK[,DTYPE]]
                 mamba2_chunk_forward on that shape (chunk 256 and bf16 unless given); with
                 --then T2, the first call of T2 tokens after it, same process: a new token count
-                once the model's dimensions are known; with --backward, forward then backward
+                once the model's dimensions are known; with --backward, forward then backward;
+                with --wait-background, T2's call waits until the background compiles of the
+                other token-count class (cutile/other_token_class.py) have ended, as a later step
+                of a training run would
 It prints one line: the import time, the first call's seconds (forward and backward apart in
 the backward modes), the second call's, how many kernel compiles ran and how long, how many of
 them ran tileiras (the rest were disk-cache hits), and the compiled kernels' names.
@@ -35,6 +38,7 @@ import cuda.tile._compile as tile_compile  # noqa: E402
 import torch  # noqa: E402
 
 import tilegym_mamba2  # noqa: E402
+from tilegym_mamba2.cutile import other_token_class  # noqa: E402
 from tilegym_mamba2.bench.layer import LAYER_CASES, layer_inputs  # noqa: E402
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs  # noqa: E402
 
@@ -98,19 +102,25 @@ def parse_shape(text):
     return shape, chunk, dtype
 
 
-def main(mode, profile=False, shape_text=None, then_tokens=None, backward=False):
+def main(mode, profile=False, shape_text=None, then_tokens=None, backward=False, wait_background=False):
     if mode not in ("layer", "shape", *SHAPES):
         sys.exit(f"mode: one of layer shape {' '.join(SHAPES)}")
     compiles, tileiras_runs, compiled = watch_compiles()
-    forward_seconds = []
+    forward_seconds, background = [], ""
     if mode == "layer":
         args, _ = layer_inputs(LAYER_CASES[0])
         op = lambda: tilegym_mamba2.mamba_chunk_scan_combined(**args, chunk_size=256, backend="cutile")  # noqa: E731
     elif mode == "shape":
         shape, chunk, dtype = parse_shape(shape_text)
         if then_tokens is not None:
+            begin = time.perf_counter()
             shape_op(shape, backward, forward_seconds, chunk, dtype)()
             torch.cuda.synchronize()
+            if wait_background:
+                idle = other_token_class.wait_idle(600)
+                background = (f"; the first T's call {time.perf_counter() - begin:.2f} s, then the background's "
+                              f"{other_token_class.stats['compiled_in_background']} compiles "
+                              f"{'ended' if idle else 'had not ended'} after {time.perf_counter() - begin:.2f} s")
             for log in (compiles, tileiras_runs, compiled, forward_seconds):
                 log.clear()
             shape = (shape[0], then_tokens, *shape[2:])
@@ -124,6 +134,7 @@ def main(mode, profile=False, shape_text=None, then_tokens=None, backward=False)
                 log.clear()
         op = shape_op(SHAPES[mode], backward, forward_seconds)
     torch.cuda.synchronize()
+    taken_before = other_token_class.stats["taken"]
 
     def call():
         op()
@@ -142,7 +153,9 @@ def main(mode, profile=False, shape_text=None, then_tokens=None, backward=False)
                                           + (" forward+backward" if backward else ""))
     print(f"{label}: import {IMPORT_SECONDS:.2f} s, first call {first:.2f} s{split}, second call {second:.4f} s; "
           f"{len(compiles)} kernel compiles took {sum(compiles):.2f} s, {len(tileiras_runs)} of them ran tileiras "
-          f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits; compiled: {' '.join(compiled)}", flush=True)
+          f"({sum(tileiras_runs):.2f} s), the rest were disk-cache hits; "
+          f"{other_token_class.stats['taken'] - taken_before} binaries taken from the background's compiles; "
+          f"compiled: {' '.join(compiled)}{background}", flush=True)
     if profiler:
         stats = pstats.Stats(profiler)
         stats.sort_stats("cumulative").print_stats(30)
@@ -156,4 +169,4 @@ if __name__ == "__main__":
     shape_text = rest.pop(0) if sys.argv[1] == "shape" and rest else None
     then = int(rest[rest.index("--then") + 1]) if "--then" in rest else None
     main(sys.argv[1], profile="--profile" in rest, shape_text=shape_text, then_tokens=then,
-         backward="--backward" in rest)
+         backward="--backward" in rest, wait_background="--wait-background" in rest)

@@ -32,3 +32,17 @@ def test_recording_runs_nothing(monkeypatch):
     with launch.recording_launches() as launches:
         launch.launch((1,), "kernel", [1, 2])
     assert launches == [("kernel", (1, 2))]
+
+
+def test_recording_is_per_thread(monkeypatch):
+    """A first call records its replay (other_token_class.py) while other threads' launches run."""
+    import threading
+    ran = []
+    monkeypatch.setattr(launch, "_cutile_launch", lambda *a: ran.append(a[2]))
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: index)
+    with launch.recording_launches() as launches:
+        thread = threading.Thread(target=launch.launch, args=((1,), "elsewhere", (torch.zeros(1),)))
+        thread.start()
+        thread.join()
+        launch.launch((1,), "here", (torch.zeros(1),))
+    assert ran == ["elsewhere"] and [kernel for kernel, _ in launches] == ["here"]

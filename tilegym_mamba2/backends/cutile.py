@@ -10,13 +10,13 @@ import torch
 
 from ..autograd import (BackendOps, differentiable_chunk_forward, differentiable_scan_combined, keeps_ungated, provide,
                         wanted)
-from ..backward import Kernels, chunk_backward, scan_combined_backward
+from ..backward import Kernels, chunk_backward, layer_backward, scan_combined_backward
 from ..core.packing import scan_returns
 from ..core.quarantine import quarantine_layer
 from ..core.toolchain import compile_errors_explained
 from ..core.validation import (NO_LIMIT, backward_args, check_backward_args, check_forward_args,
                                check_scan_combined_args, forward_args, scan_combined_args)
-from ..cutile import gate_grads, plan, scan
+from ..cutile import gate_grads, other_token_class, plan, scan
 from ..cutile.forward import run_stages
 from ..cutile.launch import new_output
 from ..cutile.scan_combined import layer_config, run_layer
@@ -52,6 +52,7 @@ def chunk_forward_kernels(x, a, b, c, d, dt, init_state=None, chunk_size=128):
         stages = run_stages(*args, config)
     if config is None:
         plan.remember(key, stages.config)
+        other_token_class.compile_other_class(lambda args: run_stages(*args, stages.config), args.x, args=args)
     return stages.out, stages.final_state
 
 
@@ -127,7 +128,27 @@ def _layer_kernels(call, keep_ungated):
         else:
             out, final_states, varlen = _quarantined_layer(args, config, ungated)
             plan.remember(seen_key, True)
+    if seen is None:
+        other_token_class.compile_other_class(_layer_replay(config, training=keep_ungated), args.x, args=args,
+                                              ungated=ungated)
     return scan_returns(out, final_states, varlen, return_final_states, return_varlen_states), ungated
+
+
+def _layer_replay(config, training):
+    """The layer op's host code for other_token_class: the forward, and for a call through autograd
+    (``training``) the backward autograd will run, on the gradients it will pass."""
+    def replay(args, ungated):
+        run_layer(args, config=config, ungated=ungated)
+        if training:
+            batch, _, heads, head_size = args.x.shape
+            state = (heads, head_size, args.B.shape[3])
+            dfinal_states = args.x.new_zeros(batch, *state, dtype=torch.float32)
+            dvarlen_states = (args.x.new_zeros(args.cu_seqlens.shape[0] - 1, *state, dtype=torch.float32)
+                              if args.return_varlen_states else None)
+            layer_backward(KERNELS, args._replace(return_final_states=True),
+                           torch.empty_like(args.x, memory_format=torch.contiguous_format), dfinal_states,
+                           dvarlen_states, ungated=ungated)
+    return replay
 
 
 def _quarantined_layer(args, config, ungated=None):
@@ -147,15 +168,15 @@ def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None
     call = (x, a, b, c, d, dt, init_state, dout, dfinal_state, chunk_size)
     key = plan.signature("backward", *call)
     planned = plan.planned(key)
-    if planned is None:
-        x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = check_backward_args(*call, backend="cutile")
-    else:
-        x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = backward_args(*call)
+    args = check_backward_args(*call, backend="cutile") if planned is None else backward_args(*call)
+    x, a, b, c, d, dt, init_state, dout, dfinal_state, _ = args
     with compile_errors_explained(), _noticed(planned, "mamba2_chunk_backward", x):
         if b.shape[3] <= MAX_STATE:
             grads = chunk_backward(KERNELS, x, a, b, c, d, dt, init_state, dout, dfinal_state)
         else:
             grads = _split_state_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state)
+    if planned is None and b.shape[3] <= MAX_STATE:
+        other_token_class.compile_other_class(lambda args: chunk_backward(KERNELS, *args[:-1]), x, args=args)
     plan.remember(key, True)  # the checks passed; the kernels' configs have plans of their own
     return grads
 

@@ -6,19 +6,23 @@ kernel forgot to write cannot pass.
 """
 import contextlib
 import functools
+import threading
 
 from cuda.tile._cext import launch as _cutile_launch
 import torch
 
-_recording: list | None = None
+# Recording is per thread: a first call records a replay (other_token_class.py) while another
+# thread's launches must still run.
+_recording = threading.local()
 _poison = False
 
 
 def launch(grid, kernel, args, *, dependent=False):
     """``dependent``: a programmatic dependent launch (Hopper and newer; the kernel must call
     ct.grid_dependency_control_wait before it reads anything the stream's previous kernel writes)."""
-    if _recording is not None:
-        _recording.append((kernel, tuple(args)))
+    recorded = getattr(_recording, "launches", None)
+    if recorded is not None:
+        recorded.append((kernel, tuple(args)))
         return
     device = args[0].get_device()
     # cuTile's own launch: importing tilegym replaces ct.launch with a Python wrapper (its
@@ -62,13 +66,13 @@ def new_output(*shape, dtype, device):
 
 @contextlib.contextmanager
 def recording_launches():
-    """Collects (kernel, args) for every launch inside the block; nothing runs."""
-    global _recording
-    previous, _recording = _recording, []
+    """Collects (kernel, args) for every launch this thread makes inside the block; nothing runs."""
+    previous = getattr(_recording, "launches", None)
+    _recording.launches = launches = []
     try:
-        yield _recording
+        yield launches
     finally:
-        _recording = previous
+        _recording.launches = previous
 
 
 @contextlib.contextmanager

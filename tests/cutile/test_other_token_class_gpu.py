@@ -1,0 +1,76 @@
+"""After a training step's first call, the kernels of the other token-count class compile in the
+background (cutile/other_token_class.py): the first step of the other class compiles nothing
+itself, and its gradients are right. In a fresh process (its own in-memory kernel cache), under a
+hard timeout."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SCRIPT = r'''
+import json, sys, torch
+import tilegym_mamba2 as tm
+from tilegym_mamba2.cutile import other_token_class as other
+
+def leaves(tokens, batch, dtype):
+    """Random bf16-rounded inputs in ``dtype`` (bf16 for ours, float64 for the reference)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    heads, head, state = 6, 64, 64
+    def draw(*shape, scale=0.5, shift=0.0, low=True):
+        t = torch.randn(*shape, generator=g, device="cuda") * scale + shift
+        t = t.bfloat16() if low else t
+        return t.to(dtype if low else torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+    return dict(x=draw(batch, tokens, heads, head), z=draw(batch, tokens, heads, head, scale=1.0),
+                b=draw(batch, tokens, 1, state), c=draw(batch, tokens, 1, state),
+                dt=draw(batch, tokens, heads, scale=1.0, shift=-2.0, low=False),
+                a=(-torch.linspace(1, 8, heads, device="cuda")).to(torch.float64 if dtype == torch.float64
+                                                                    else torch.float32).requires_grad_(),
+                d=draw(heads, scale=1.0, low=False))
+
+def layer_step(tokens, backend, dtype):
+    t = leaves(tokens, 1, dtype)
+    out = tm.mamba_chunk_scan_combined(t["x"], t["dt"], t["a"], t["b"], t["c"], 128, D=t["d"], z=t["z"],
+                                       dt_softplus=True, backend=backend)
+    out.float().square().sum().backward()
+    return [out] + [t[k].grad for k in ("x", "z", "b", "c", "dt", "a", "d")]
+
+def plain_step(tokens, backend, dtype):
+    t = leaves(tokens, 2, dtype)
+    dt = torch.nn.functional.softplus(t["dt"].detach()).requires_grad_()
+    out, final = tm.mamba2_chunk_forward(t["x"], t["a"], t["b"], t["c"], t["d"], dt, None, 128, backend=backend)
+    out.float().square().sum().backward()
+    return [out] + [t[k].grad for k in ("x", "b", "c", "a", "d")] + [dt.grad]
+
+report = {}
+for name, step, first, then in (("layer", layer_step, 256, 255), ("plain", plain_step, 200, 208)):
+    step(first, "cutile", torch.bfloat16)
+    torch.cuda.synchronize()
+    idle = other.wait_idle(300)
+    before = dict(other.stats)
+    ours = step(then, "cutile", torch.bfloat16)
+    torch.cuda.synchronize()
+    delta = {k: other.stats[k] - before[k] for k in before}
+    exact = step(then, "pytorch", torch.float64)
+    errors = [((o.double() - e).norm() / e.norm()).item() for o, e in zip(ours, exact)]
+    report[name] = {"idle": idle, "delta": delta, "errors": errors}
+print("REPORT " + json.dumps(report))
+'''
+
+
+def test_the_other_token_class_compiles_in_the_background():
+    env = dict(os.environ, TILEGYM_MAMBA2_PRECOMPILE="1")
+    try:
+        done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=480)
+    except subprocess.TimeoutExpired as timeout:
+        pytest.fail(f"the script did not end in {timeout.timeout} s; its output so far:\n{timeout.stdout}\n{timeout.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.split("REPORT ", 1)[1])
+    for op, result in report.items():
+        assert result["idle"], f"{op}: the background compiles did not end in 300 s"
+        assert result["delta"]["compiled_by_calls"] == 0, f"{op}: the other class's step compiled itself: {result}"
+        assert result["delta"]["taken"] > 0, f"{op}: nothing was taken from the background: {result}"
+        assert all(e < 2e-2 for e in result["errors"]), f"{op}: the other class's step is off the pytorch backend: {result}"

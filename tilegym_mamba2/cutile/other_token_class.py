@@ -1,0 +1,219 @@
+"""A call's kernels for the other token-count class, compiled in the background after its first call.
+
+cuTile compiles a kernel once per pattern of array dimensions that are 1 or divisible by 16, so a
+model's first token count of the other class compiles every kernel of its call again: 8.0 s for
+the 2.7B layer's forward and backward on the H200, 6.7 s of it tileiras (docs/design.md, "First
+calls"). After a call that had no plan, ``compile_other_class`` replays the call's host code on
+meta tensors with the token count moved to the nearest count of the other class, records its
+launches without running them (launch.recording_launches), asks cuTile for the signature each
+launch would compile (get_parameter_constraints_from_pyargs: what its dispatcher computes from
+the arguments), and a daemon thread compiles the signatures not compiled yet, one at a time.
+
+cuTile's dispatcher calls a kernel's ``_compile`` when it has no binary for a signature; each kernel
+a replay met gets one that first takes the background's result for that signature (waiting if it
+is being compiled), so the first call of the other class loads binaries instead of compiling.
+The results also land in cuTile's disk cache. The thread starts a compile only when no compile of
+a call has run for QUIET_S seconds: a call's own compiles wait for at most the one in progress.
+TILEGYM_MAMBA2_PRECOMPILE=0 turns this off.
+"""
+import os
+import queue
+import threading
+import time
+
+import torch
+from cuda.tile._cext import (CallingConvention, default_tile_context, get_compute_capability,
+                             get_parameter_constraints_from_pyargs)
+from cuda.tile.compilation import KernelSignature
+
+from .launch import recording_launches
+
+SWITCH = "TILEGYM_MAMBA2_PRECOMPILE"
+# The arguments with a token axis (axis 1: [batch, tokens, ...]).
+TOKEN_FIELDS = frozenset(("x", "b", "c", "dt", "dout", "B", "C", "z", "seq_idx", "ungated"))
+QUIET_S = 1.0
+_CONVENTION = CallingConvention.cutile_python_v1()  # the one cuTile's launches compile for
+
+_lock = threading.Lock()
+_seen: set = set()      # signatures compiled or queued, as _key gives them
+_ready: dict = {}       # _key -> _Compile queued for the thread, until a call takes it
+_queue: queue.SimpleQueue = queue.SimpleQueue()
+_worker: threading.Thread | None = None
+_pending = 0            # queued compiles the thread has not finished or skipped
+_calls_compiling = 0    # compiles of calls in progress, and when the last one ended
+_last_call_compile = 0.0
+stats = {"compiled_in_background": 0, "taken": 0, "compiled_by_calls": 0}
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def other_class_tokens(tokens: int) -> int | None:
+    """The nearest token count of the other class with as many 64-token chunks: one less than a
+    multiple of 16, else the next multiple of 16. None for 1 token (a class of its own)."""
+    if tokens <= 1:
+        return None
+    return tokens - 1 if tokens % 16 == 0 else -(-tokens // 16) * 16
+
+
+def compile_other_class(replay, x, /, **named) -> None:
+    """After a call's first run: ``replay(**named)`` runs its host code again on meta copies of
+    ``named`` (tensors named in TOKEN_FIELDS, or a named tuple's fields so named, have the token
+    axis of ``x``, the call's x). Never raises: a replay meta tensors cannot take leaves the other
+    class to compile on its own call."""
+    if enabled() and x.is_cuda and other_class_tokens(x.shape[1]) is not None:
+        queue_other_class(replay, x.shape[1], torch.cuda.get_device_capability(x.device), named)
+
+
+def queue_other_class(replay, tokens, capability, named) -> int:
+    """compile_other_class for a call of ``tokens`` on a GPU of ``capability`` -> compiles queued."""
+    try:
+        # The call's own signatures are compiled already (in memory): never queued.
+        own = [_key(kernel, signature, capability) for kernel, signature in _signatures(replay, named, tokens, tokens)]
+        other = _signatures(replay, named, tokens, other_class_tokens(tokens))
+    except Exception:  # noqa: BLE001
+        return 0
+    with _lock:
+        _seen.update(own)
+    return sum(_submit(_Compile(kernel, signature, capability)) for kernel, signature in other)
+
+
+class _Compile:
+    def __init__(self, kernel, signature, capability):
+        self.kernel, self.signature, self.capability = kernel, signature, capability
+        self.key = _key(kernel, signature, capability)
+        self.started = False
+        self.done = threading.Event()
+        self.result = None
+
+
+def _key(kernel, signature, capability):
+    # KernelSignature compares by value but does not hash; its repr names every field.
+    return id(kernel), repr(signature), tuple(capability)
+
+
+def _signatures(replay, named, tokens, to_tokens):
+    with recording_launches() as launches:
+        replay(**{name: _on_meta(name, value, tokens, to_tokens) for name, value in named.items()})
+    signatures = []
+    for kernel, args in launches:
+        _hook(kernel)
+        constraints = get_parameter_constraints_from_pyargs(kernel, args, _CONVENTION)
+        signatures.append((kernel, KernelSignature(constraints, _CONVENTION)))
+    return signatures
+
+
+def _on_meta(name, value, tokens, to_tokens):
+    """``value`` as a meta tensor (no memory, no device work), its token axis at ``to_tokens``."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_on_meta(field, item, tokens, to_tokens) for field, item in zip(value._fields, value)))
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape, stride = list(value.shape), list(value.stride())
+    if name in TOKEN_FIELDS and value.ndim >= 2 and shape[1] == tokens:
+        shape[1] = to_tokens
+        if stride[0] % tokens == 0 and stride[0] >= tokens * stride[1]:  # rows one after another
+            stride[0] = stride[0] // tokens * to_tokens
+    return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+
+
+def _submit(job) -> bool:
+    global _worker, _pending
+    with _lock:
+        if job.key in _seen:
+            return False
+        _seen.add(job.key)
+        _ready[job.key] = job
+        _pending += 1
+        if _worker is None:
+            _worker = threading.Thread(target=_work, name="tilegym-mamba2-precompile", daemon=True)
+            _worker.start()
+    _queue.put(job)
+    return True
+
+
+def _work():
+    global _pending
+    while True:
+        job = _queue.get()
+        while not _start(job):
+            time.sleep(0.05)
+        if job.started:
+            try:
+                job.result = type(job.kernel)._compile(job.kernel, job.signature, default_tile_context,
+                                                       job.capability)
+            except Exception:  # noqa: BLE001 - the call compiles it itself, and reports the error
+                job.result = None
+            job.done.set()
+        with _lock:
+            _pending -= 1
+            stats["compiled_in_background"] += job.result is not None
+
+
+def _start(job) -> bool:
+    """Whether the thread is done waiting for ``job``: a call took it (not started), or no call
+    has compiled for QUIET_S seconds (started)."""
+    with _lock:
+        if job.key not in _ready:
+            return True
+        if _calls_compiling or time.monotonic() - _last_call_compile < QUIET_S:
+            return False
+        job.started = True
+        return True
+
+
+def _hook(kernel) -> None:
+    """Gives ``kernel`` a ``_compile`` that takes the background's result first (once per kernel)."""
+    if "_compile" in vars(kernel):
+        return
+    compile_now = type(kernel)._compile
+
+    def _compile(signature, context, compute_capability=None):
+        # cuTile's own _compile compiles for device 0's capability when given none.
+        key = _key(kernel, signature, compute_capability or get_compute_capability())
+        result = _take(key, signature)
+        if result is not None:
+            return result
+        _call_compiling(+1)
+        try:
+            return compile_now(kernel, signature, context, compute_capability)
+        finally:
+            _call_compiling(-1)
+
+    kernel._compile = _compile
+
+
+def _take(key, signature):
+    """The background's binary for this signature (waiting while it compiles), or None."""
+    with _lock:
+        _seen.add(key)
+        job = _ready.pop(key, None)
+        if job is None or not job.started:
+            return None  # not queued, or queued and not started: the thread skips it
+    job.done.wait()
+    if job.result is None or job.signature != signature:
+        return None
+    with _lock:
+        stats["taken"] += 1
+    return job.result
+
+
+def _call_compiling(step):
+    global _calls_compiling, _last_call_compile
+    with _lock:
+        _calls_compiling += step
+        _last_call_compile = time.monotonic()
+        stats["compiled_by_calls"] += step > 0
+
+
+def wait_idle(timeout: float) -> bool:
+    """Whether every queued compile has ended (or was taken by a call) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _lock:
+            if _pending == 0:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
