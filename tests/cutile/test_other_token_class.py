@@ -108,9 +108,22 @@ def test_a_replay_that_fails_on_meta_tensors_queues_nothing(fake_cutile):
     assert other.queue_other_class(replay, 64, (9, 0), {"x": torch.zeros(2, 64, 4)}) == 0
 
 
-def test_off_switch_and_cpu_tensors_queue_nothing(fake_cutile, monkeypatch):
+def test_the_switch_and_cpu_tensors(fake_cutile, monkeypatch):
+    """TILEGYM_MAMBA2_PRECOMPILE=0 queues nothing, nor does a call on CPU tensors; otherwise a GPU
+    call's replay is queued."""
     kernel, replay = fake_cutile
-    other.compile_other_class(replay, torch.zeros(2, 64, 4), x=torch.zeros(2, 64, 4))  # not on a GPU
+    x = torch.zeros(2, 64, 4)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv(other.SWITCH, "1")
+    other.compile_other_class(replay, x, x=x)  # CPU tensors: no GPU to compile for
+    assert other._ready == {}
+
+    class OnGpu:  # what compile_other_class reads of the call's x
+        shape, is_cuda, device = x.shape, True, "cuda:0"
     monkeypatch.setenv(other.SWITCH, "0")
-    assert not other.enabled()
-    assert kernel.compiled == [] and other._ready == {}
+    other.compile_other_class(replay, OnGpu(), x=x)
+    assert other._ready == {}
+    monkeypatch.setenv(other.SWITCH, "1")
+    other.compile_other_class(replay, OnGpu(), x=x)
+    assert other.wait_idle(60) and [signature for signature, _ in kernel.compiled] == [
+        Signature((False,), other._CONVENTION)]
