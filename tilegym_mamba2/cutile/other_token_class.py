@@ -169,15 +169,15 @@ def _hook(kernel) -> None:
         return
     compile_now = type(kernel)._compile
 
-    def _compile(signature, context, compute_capability=None):
+    def _compile(signature, *args, **kwargs):  # cuTile's: (signature, context, compute_capability=None)
+        capability = kwargs.get("compute_capability", args[1] if len(args) > 1 else None)
         # cuTile's own _compile compiles for device 0's capability when given none.
-        key = _key(kernel, signature, compute_capability or get_compute_capability())
-        result = _take(key, signature)
+        result = _take(_key(kernel, signature, capability or get_compute_capability()), signature)
         if result is not None:
             return result
         _call_compiling(+1)
         try:
-            return compile_now(kernel, signature, context, compute_capability)
+            return compile_now(kernel, signature, *args, **kwargs)
         finally:
             _call_compiling(-1)
 
