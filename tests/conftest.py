@@ -56,13 +56,9 @@ def pytest_cmdline_main(config):
 def pytest_configure(config):
     """Tuned choices go to a cache of the test run's own, not the user's; kernels use their
     shipped or heuristic configs (no timing of candidates) except in the tuning tests, which
-    switch tuning on themselves, so that each kernel compiles once per shape. No kernels of the
-    other token-count class compile in the background (cutile/other_token_class.py; its own tests
-    switch it on): the tests' shapes seldom come back in the other class, and the GPU suite's time
-    is compiling."""
+    switch tuning on themselves, so that each kernel compiles once per shape."""
     os.environ["TILEGYM_MAMBA2_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilegym-mamba2-tuning-")
     os.environ.setdefault("TILEGYM_MAMBA2_TUNE", "0")
-    os.environ.setdefault("TILEGYM_MAMBA2_PRECOMPILE", "0")
 
 
 @pytest.fixture(autouse=True)

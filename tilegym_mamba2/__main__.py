@@ -6,7 +6,6 @@ run (default)  checks the environment and runs both ops: on a GPU our kernels ag
 """
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -105,10 +104,6 @@ def main(argv=None):
     fz.add_argument("--seed", type=int, default=None, help="replay the one case a failure printed")
     args = parser.parse_args(argv)
     command = args.command or "run"
-    if command in ("bench", "tune", "fuzz"):
-        # These compile many shapes and time them: no background compiles of the other token-count
-        # class (cutile/other_token_class.py) beside them, unless asked for.
-        os.environ.setdefault("TILEGYM_MAMBA2_PRECOMPILE", "0")
     if command == "run":
         return run()
     if command == "check":

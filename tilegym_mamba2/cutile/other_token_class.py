@@ -14,7 +14,7 @@ a replay met gets one that first takes the background's result for that signatur
 is being compiled), so the first call of the other class loads binaries instead of compiling.
 The results also land in cuTile's disk cache. The thread starts a compile only when no compile of
 a call has run for QUIET_S seconds: a call's own compiles wait for at most the one in progress.
-TILEGYM_MAMBA2_PRECOMPILE=0 turns this off.
+TILEGYM_MAMBA2_PRECOMPILE=1 turns this on; without it nothing is replayed or hooked.
 """
 import os
 import queue
@@ -46,7 +46,7 @@ stats = {"compiled_in_background": 0, "taken": 0, "compiled_by_calls": 0}
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "1") != "0"
+    return os.environ.get(SWITCH) == "1"
 
 
 def other_class_tokens(tokens: int) -> int | None:
@@ -58,7 +58,7 @@ def other_class_tokens(tokens: int) -> int | None:
 
 
 def compile_other_class(replay, x, /, **named) -> None:
-    """After a call's first run: ``replay(**named)`` runs its host code again on meta copies of
+    """With TILEGYM_MAMBA2_PRECOMPILE=1, after a call's first run: ``replay(**named)`` runs its host code again on meta copies of
     ``named`` (tensors named in TOKEN_FIELDS, or a named tuple's fields so named, have the token
     axis of ``x``, the call's x). Never raises: a replay meta tensors cannot take leaves the other
     class to compile on its own call."""
