@@ -127,3 +127,89 @@ def test_the_switch_and_cpu_tensors(fake_cutile, monkeypatch):
     other.compile_other_class(replay, OnGpu(), x=x)
     assert other.wait_idle(60) and [signature for signature, _ in kernel.compiled] == [
         Signature((False,), other._CONVENTION)]
+
+
+# --- the replays of cutile's backend: what they launch is what a call of the other count launches
+
+def _launches(record):
+    """(kernel, each argument: a tensor's dtype, shape and strides, else the value) of every launch."""
+    with launch.recording_launches() as launches:
+        record()
+    return [(kernel, tuple((a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a for a in args))
+            for kernel, args in launches]
+
+
+def _replayed(replay, tokens, to_tokens, **named):
+    return _launches(lambda: replay(**{name: other._on_meta(name, value, tokens, to_tokens)
+                                       for name, value in named.items()}))
+
+
+def _layer_args(tokens, with_z, packed, varlen=False):
+    from tilegym_mamba2.core.validation import ScanCombinedArgs
+    heads, head, state = 6, 64, 128
+    x = torch.zeros(1, tokens, heads, head, dtype=torch.bfloat16)
+    b = torch.zeros(1, tokens, 2, state, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, tokens // 3, tokens], dtype=torch.int32) if packed else None
+    return ScanCombinedArgs(x, torch.zeros(1, tokens, heads), torch.zeros(heads), b, b.clone(), 128,
+                            torch.zeros(heads, head), torch.zeros_like(x) if with_z else None, torch.zeros(heads), None,
+                            None, cu_seqlens, True, (0.0, float("inf")), False, varlen)
+
+
+@pytest.mark.parametrize("tokens", [256, 255, 1000])
+def test_the_forward_and_backward_replays_launch_what_the_other_count_launches(tokens):
+    from tilegym_mamba2.backends.cutile import KERNELS
+    from tilegym_mamba2.backward import chunk_backward
+    from tilegym_mamba2.core.validation import BackwardArgs
+    from tilegym_mamba2.cutile.forward import run_stages
+    from tilegym_mamba2.cutile.tuning import choose_config
+    to = other.other_class_tokens(tokens)
+
+    def args_at(count):
+        x = torch.zeros(2, count, 8, 64, dtype=torch.bfloat16)
+        b = torch.zeros(2, count, 1, 128, dtype=torch.bfloat16)
+        return BackwardArgs(x, torch.zeros(8), b, b.clone(), torch.zeros(8), torch.zeros(2, count, 8),
+                            torch.zeros(2, 8, 64, 128), torch.zeros_like(x), torch.zeros(2, 8, 64, 128), 128)
+    config = choose_config(2, tokens, 1, 8, 64, 128, 128)
+    forward = lambda args: run_stages(*args[:7], args.chunk_size, config)  # noqa: E731
+    backward = lambda args: chunk_backward(KERNELS, *args[:-1])  # noqa: E731
+    for replay in (forward, backward):
+        expected = _launches(lambda: replay(args_at(to)))
+        assert expected and _replayed(replay, tokens, to, args=args_at(tokens)) == expected
+
+
+@pytest.mark.parametrize("with_z, packed", [(True, False), (False, False), (True, True), (False, True)])
+def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launches(with_z, packed):
+    """The forward, and the backward on the gradients autograd passes (dout, zero final-state
+    gradients, no varlen ones unless returned), as backends/cutile.py and autograd.py call them."""
+    from tilegym_mamba2.backends import cutile as backend
+    from tilegym_mamba2.cutile.scan_combined import run_layer
+    from tilegym_mamba2.cutile.tuning import choose_config
+    tokens = 500
+    to = other.other_class_tokens(tokens)
+    config = choose_config(1, tokens, 2, 6, 64, 128, 128)
+
+    def step(args):
+        ungated = torch.zeros_like(args.x) if with_z and not packed else None
+        run_layer(args, config=config, ungated=ungated)
+        dfinal = torch.zeros(1, 6, 64, 128)
+        dvarlen = torch.zeros(2, 6, 64, 128) if args.return_varlen_states else None
+        backend._checked_scan_combined_backward(
+            torch.zeros_like(args.x), dfinal, dvarlen, args.x, args.dt, args.A, args.B, args.C, args.chunk_size,
+            args.D, args.z, args.dt_bias, args.initial_states, args.seq_idx, args.cu_seqlens, args.dt_softplus,
+            args.dt_limit, ungated=ungated)
+    expected = _launches(lambda: step(_layer_args(to, with_z, packed)))
+    args = _layer_args(tokens, with_z, packed)
+    ungated = torch.zeros_like(args.x) if with_z and not packed else None
+    replayed = _replayed(backend._layer_replay(config, training=True), tokens, to, args=args, ungated=ungated)
+    assert expected and replayed == expected
+
+
+def test_a_packed_training_step_returning_varlen_states_is_not_replayed():
+    """Its backward reads the sequence offsets on the host (backward.py's per-sequence sums), which
+    meta tensors do not have: compile_other_class queues nothing for it (its replay raises inside),
+    and that call's other class compiles on its own call."""
+    from tilegym_mamba2.backends import cutile as backend
+    from tilegym_mamba2.cutile.tuning import choose_config
+    replay = backend._layer_replay(choose_config(1, 500, 2, 6, 64, 128, 128), training=True)
+    with pytest.raises(NotImplementedError):
+        _replayed(replay, 500, 496, args=_layer_args(500, True, True, varlen=True), ungated=None)
