@@ -58,10 +58,10 @@ def other_class_tokens(tokens: int) -> int | None:
 
 
 def compile_other_class(replay, x, /, **named) -> None:
-    """With TILEGYM_MAMBA2_PRECOMPILE=1, after a call's first run: ``replay(**named)`` runs its host code again on meta copies of
-    ``named`` (tensors named in TOKEN_FIELDS, or a named tuple's fields so named, have the token
-    axis of ``x``, the call's x). Never raises: a replay meta tensors cannot take leaves the other
-    class to compile on its own call."""
+    """With TILEGYM_MAMBA2_PRECOMPILE=1, after a call's first run: ``replay(**named)`` runs its
+    host code again on meta copies of ``named`` (tensors named in TOKEN_FIELDS, or a named tuple's
+    fields so named, have the token axis of ``x``, the call's x). Never raises: a replay meta
+    tensors cannot take leaves the other class to compile on its own call."""
     if enabled() and x.is_cuda and other_class_tokens(x.shape[1]) is not None:
         queue_other_class(replay, x.shape[1], torch.cuda.get_device_capability(x.device), named)
 
