@@ -16,7 +16,8 @@ CPU, so a seed here is the same case as in the GPU tests (``--case`` replays one
 Variants set each rounding point's form: ``states`` (S and dS for chunk_grads) and ``walk`` (the
 walks' weighted operands), each bf16 (the kernels), fp16 (3 more mantissa bits), fp16s (fp16
 after a power-of-two scale per tile that brings its largest value under 2^14, as a kernel would
-store it), fp32 or fp64. ``--loss-scale`` scales the output gradients as a smaller loss would:
+store it), fp16r (the same scale per row of a tile: a state index n of a stored state, a token of a
+weighted operand), fp32 or fp64. ``--loss-scale`` scales the output gradients as a smaller loss would:
 at 2**-24 unscaled fp16 loses the state gradients below its normal range, fp16s does not.
 
 The replay is a model of the kernels, not the kernels: its figures say which rounding binds, and
@@ -35,12 +36,13 @@ TOLERANCE = {"dx": (4e-2, 4e-2), "da": (1e-2, 1e-2), "db": (5e-2, 4e-2), "dc": (
 FORMS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def rounded(t, form, tile_dims=()):
+def rounded(t, form, tile_dims=(), row_dims=()):
     """t in ``form``; "fp16s": fp16 after a power-of-two scale per tile (``tile_dims``: the dims a
-    tile spans) that brings the tile's largest value under 2^14, as a kernel would store it."""
-    if form != "fp16s":
+    tile spans) that brings the tile's largest value under 2^14, as a kernel would store it;
+    "fp16r": the same per row of a tile (``row_dims``), a maximum found without crossing warps."""
+    if form not in ("fp16s", "fp16r"):
         return t.to(FORMS[form]).double()
-    largest = t.abs().amax(dim=tile_dims, keepdim=True).clamp_min(1e-300)
+    largest = t.abs().amax(dim=tile_dims if form == "fp16s" else row_dims, keepdim=True).clamp_min(1e-300)
     scale = torch.exp2(14 - torch.ceil(torch.log2(largest)))
     return (t * scale).to(torch.float16).double() / scale
 
@@ -66,12 +68,12 @@ def walks(x, b, c, dy, w, log_decay, init, dfinal, chunk, walk_form):
     for k in range(chunks):
         entry.append(state)
         weighted_b = rounded(bc[:, k] * (wc[:, k] * torch.exp(total[:, k, None] - g[:, k]))[..., None], walk_form,
-                             (1, 3))  # a tile: the chunk's tokens x the state, per head
+                             (1, 3), (3,))  # a tile: the chunk's tokens x the state, per head; a row: a token
         state = state * torch.exp(total[:, k])[..., None, None] + torch.einsum("blhp,blhn->bhpn", xc[:, k], weighted_b)
     ends, grad = [None] * chunks, dfinal
     for k in reversed(range(chunks)):
         ends[k] = grad
-        weighted_c = rounded(cc[:, k] * torch.exp(g[:, k])[..., None], walk_form, (1, 3))
+        weighted_c = rounded(cc[:, k] * torch.exp(g[:, k])[..., None], walk_form, (1, 3), (3,))
         grad = grad * torch.exp(total[:, k])[..., None, None] + torch.einsum("blhp,blhn->bhpn", dyc[:, k], weighted_c)
     return torch.stack(entry, 1), torch.stack(ends, 1), grad
 
@@ -86,7 +88,8 @@ def replay(r, chunk, forms):
     a, d = r["a"].double(), r["d"].double()
     log_decay = a * dt
     entry, ends, dinit = walks(x, b, c, dy, dt, log_decay, r["init_state"].double(), dfinal, chunk, forms["walk"])
-    entry, ends = rounded(entry, forms["states"], (3, 4)), rounded(ends, forms["states"], (3, 4))  # per chunk, head
+    # A tile per chunk and head; a row: one state index n over the head's columns (stored [N, P]).
+    entry, ends = rounded(entry, forms["states"], (3, 4), (3,)), rounded(ends, forms["states"], (3, 4), (3,))
     dxs, ddt_input, dl, db, dc = chunk_grads_reference(x, r["b"].double(), r["c"].double(), dy, dt, log_decay,
                                                        entry, ends, chunk_size=chunk)
     return {"dx": (dt[..., None] * dxs + d[:, None] * dy).to(torch.bfloat16).double(),
@@ -137,7 +140,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--variants", default="all",
-                        help="all, or STATES,WALK (each bf16, fp16, fp16s, fp32 or fp64); the first row is "
+                        help="all, or STATES,WALK (each bf16, fp16, fp16s, fp16r, fp32 or fp64); the first row is "
                              "always the kernels'")
     parser.add_argument("--case", help="one case: B,T,G,H,N,P,CHUNK:SEED:DT_SHIFT")
     parser.add_argument("--loss-scale", type=float, default=1.0,
