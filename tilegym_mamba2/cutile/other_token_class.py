@@ -42,7 +42,7 @@ _worker: threading.Thread | None = None
 _pending = 0            # queued compiles the thread has not finished or skipped
 _calls_compiling = 0    # compiles of calls in progress, and when the last one ended
 _last_call_compile = 0.0
-stats = {"compiled_in_background": 0, "taken": 0, "compiled_by_calls": 0}
+stats = {"compiled_in_background": 0, "taken": 0}  # binaries the thread made, and calls took
 
 
 def enabled() -> bool:
@@ -204,7 +204,6 @@ def _call_compiling(step):
     with _lock:
         _calls_compiling += step
         _last_call_compile = time.monotonic()
-        stats["compiled_by_calls"] += step > 0
 
 
 def wait_idle(timeout: float) -> bool:
