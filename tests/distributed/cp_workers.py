@@ -51,10 +51,10 @@ def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
             try:
                 rank, kind, case, value = messages.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except queue.Empty:
-                dead = [r for r in range(world) if current[r] is not None and procs[r].exitcode is not None]
-                if dead:   # a rank that died cannot report: say so at once
-                    raise AssertionError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} while in "
-                                         f"{current[dead[0]]}") from None
+                dead = _dead_rank(procs, current)
+                if dead is not None:   # a rank that died cannot report: say so at once
+                    raise AssertionError(f"rank {dead} exited with code {procs[dead].exitcode} while in "
+                                         f"{current[dead]}") from None
                 if time.monotonic() < deadline:
                     continue
                 stuck = sorted(r for r in range(world) if current[r] is not None)
@@ -73,7 +73,12 @@ def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
                 if all(case in done[r] for r in range(world)) and case != _END:
                     deadline = time.monotonic() + case_timeout
             elif kind == "crash":
-                raise AssertionError(f"rank {rank} crashed outside any case:\n{value}")
+                # A rank that died makes its peers crash (gloo: "connection closed by peer"), and their
+                # report can come before the parent sees the death: name the death first.
+                dead = _dead_rank(procs, current, wait_s=2.0)
+                cause = "" if dead is None else (f"rank {dead} exited with code {procs[dead].exitcode} while in "
+                                                 f"{current[dead]}; then ")
+                raise AssertionError(f"{cause}rank {rank} crashed outside any case:\n{value}")
     finally:
         release.set()
         for p in procs:
@@ -84,6 +89,18 @@ def run_ranks(world, cases, *args, case_timeout=CASE_TIMEOUT_S, env=None):
 
 
 _END = "(end)"
+
+
+def _dead_rank(procs, current, wait_s=0.0):
+    """A rank whose process ended while it still had work (ranks leave only when released), or
+    None; waits up to ``wait_s`` seconds for one."""
+    import time
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [r for r, p in enumerate(procs) if current[r] is not None and p.exitcode is not None]
+        if dead or time.monotonic() >= deadline:
+            return dead[0] if dead else None
+        time.sleep(0.05)
 
 
 def _rank_main(rank, world, rendezvous, messages, release, env, cases, args, case_timeout):
