@@ -117,10 +117,12 @@ def main(mode, profile=False, shape_text=None, then_tokens=None, backward=False,
             shape_op(shape, backward, forward_seconds, chunk, dtype)()
             torch.cuda.synchronize()
             if wait_background:
+                first_seconds = time.perf_counter() - begin
                 idle = other_token_class.wait_idle(600)
-                background = (f"; the first T's call {time.perf_counter() - begin:.2f} s, then the background's "
+                background = (f"; the first T's call {first_seconds:.2f} s, then the background's "
                               f"{other_token_class.stats['compiled_in_background']} compiles "
-                              f"{'ended' if idle else 'had not ended'} after {time.perf_counter() - begin:.2f} s")
+                              f"{'ended' if idle else 'had not ended'} after {time.perf_counter() - begin:.2f} s, "
+                              f"{other_token_class.stats['replays_failed']} replays failed")
             for log in (compiles, tileiras_runs, compiled, forward_seconds):
                 log.clear()
             shape = (shape[0], then_tokens, *shape[2:])

@@ -1,6 +1,7 @@
 """cutile/other_token_class.py on the CPU: which token count stands for the other class, the meta
 copies a replay runs on, and how a call and the background thread share the compiles (with a
 stand-in kernel and signatures; the GPU test runs cuTile's own)."""
+import contextlib
 import dataclasses
 import threading
 
@@ -34,6 +35,7 @@ def test_meta_copies_move_the_token_axis_of_token_arguments_only():
     assert type(meta) is ForwardArgs and all(t.device.type == "meta" for t in meta if isinstance(t, torch.Tensor))
     assert meta.x.shape == (2, 47, 4, 8) and meta.x.stride() == (47 * 32, 32, 8, 1) and meta.x.dtype == torch.bfloat16
     assert meta.b.shape == (2, 47, 4, 8) and meta.b.stride() == (47 * 100, 100, 8, 1)
+    assert meta.b.storage_offset() == 10 and meta.b.data_ptr() % 16 == view.data_ptr() % 16  # cuTile's alignment bit
     assert meta.dt.shape == (2, 47, 4)
     assert meta.init_state.shape == (2, 4, 8, 48) and meta.a.shape == (4,) and meta.chunk_size == 128
     assert other._on_meta("state", state, 48, 47).shape == state.shape
@@ -108,12 +110,11 @@ def test_a_replay_that_fails_on_meta_tensors_queues_nothing(fake_cutile):
     assert other.queue_other_class(replay, 64, (9, 0), {"x": torch.zeros(2, 64, 4)}) == 0
 
 
-def test_the_switch_and_cpu_tensors(fake_cutile, monkeypatch):
+def test_the_switch_and_cpu_tensors(fake_cutile, torch_on_a_gpu_machine, monkeypatch):
     """TILEGYM_MAMBA2_PRECOMPILE=0 queues nothing, nor does a call on CPU tensors; otherwise a GPU
     call's replay is queued."""
     kernel, replay = fake_cutile
     x = torch.zeros(2, 64, 4)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv(other.SWITCH, "1")
     other.compile_other_class(replay, x, x=x)  # CPU tensors: no GPU to compile for
     assert other._ready == {}
@@ -157,24 +158,29 @@ def _layer_args(tokens, with_z, packed, varlen=False):
 
 @pytest.mark.parametrize("tokens", [256, 255, 1000])
 def test_the_forward_and_backward_replays_launch_what_the_other_count_launches(tokens):
+    to = other.other_class_tokens(tokens)
+    for replay in _plain_replays(tokens):
+        expected = _launches(lambda: replay(_plain_args(to)))
+        assert expected and _replayed(replay, tokens, to, args=_plain_args(tokens)) == expected
+
+
+def _plain_args(count):
+    from tilegym_mamba2.core.validation import BackwardArgs
+    x = torch.zeros(2, count, 8, 64, dtype=torch.bfloat16)
+    b = torch.zeros(2, count, 1, 128, dtype=torch.bfloat16)
+    return BackwardArgs(x, torch.zeros(8), b, b.clone(), torch.zeros(8), torch.zeros(2, count, 8),
+                        torch.zeros(2, 8, 64, 128), torch.zeros_like(x), torch.zeros(2, 8, 64, 128), 128)
+
+
+def _plain_replays(tokens):
+    """The plain op's forward and backward replays, as backends/cutile.py gives them."""
     from tilegym_mamba2.backends.cutile import KERNELS
     from tilegym_mamba2.backward import chunk_backward
-    from tilegym_mamba2.core.validation import BackwardArgs
     from tilegym_mamba2.cutile.forward import run_stages
     from tilegym_mamba2.cutile.tuning import choose_config
-    to = other.other_class_tokens(tokens)
-
-    def args_at(count):
-        x = torch.zeros(2, count, 8, 64, dtype=torch.bfloat16)
-        b = torch.zeros(2, count, 1, 128, dtype=torch.bfloat16)
-        return BackwardArgs(x, torch.zeros(8), b, b.clone(), torch.zeros(8), torch.zeros(2, count, 8),
-                            torch.zeros(2, 8, 64, 128), torch.zeros_like(x), torch.zeros(2, 8, 64, 128), 128)
     config = choose_config(2, tokens, 1, 8, 64, 128, 128)
-    forward = lambda args: run_stages(*args[:7], args.chunk_size, config)  # noqa: E731
-    backward = lambda args: chunk_backward(KERNELS, *args[:-1])  # noqa: E731
-    for replay in (forward, backward):
-        expected = _launches(lambda: replay(args_at(to)))
-        assert expected and _replayed(replay, tokens, to, args=args_at(tokens)) == expected
+    return (lambda args: run_stages(*args[:7], args.chunk_size, config),
+            lambda args: chunk_backward(KERNELS, *args[:-1]))
 
 
 @pytest.mark.parametrize("with_z, packed", [(True, False), (False, False), (True, True), (False, True)])
@@ -213,3 +219,60 @@ def test_a_packed_training_step_returning_varlen_states_is_not_replayed():
     replay = backend._layer_replay(choose_config(1, 500, 2, 6, 64, 128, 128), training=True)
     with pytest.raises(NotImplementedError):
         _replayed(replay, 500, 496, args=_layer_args(500, True, True, varlen=True), ungated=None)
+
+
+@pytest.fixture
+def torch_on_a_gpu_machine(monkeypatch):
+    """torch.cuda as on a machine with one GPU: get_device_properties refuses any other device,
+    a replay's meta tensors' included, as torch does there."""
+    from tilegym_mamba2.cutile import tuning
+
+    class Properties:
+        multi_processor_count = 132
+
+    def properties(device=None):
+        if not isinstance(device, int) and torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        return Properties()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    caches = (tuning._gpu_multiprocessor_count, tuning.choose_config)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_every_replay_runs_where_torch_has_a_gpu(torch_on_a_gpu_machine, monkeypatch):
+    """The host code sizes some launches by the GPU's multiprocessors (tuning.choose_config, which
+    the backward's scans call with x's device): on meta tensors that must not raise, or no backward
+    is ever compiled ahead. Each replay of cutile's backend queues its launches; none fails."""
+    from tilegym_mamba2.backends import cutile as backend
+    from tilegym_mamba2.cutile.tuning import choose_config
+    with pytest.raises(ValueError):
+        torch.cuda.get_device_properties(torch.device("meta"))
+    queued = []
+    monkeypatch.setattr(other, "KernelSignature", Signature)
+    monkeypatch.setattr(other, "get_parameter_constraints_from_pyargs", lambda kernel, args, convention: tuple(
+        (a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args))
+    monkeypatch.setattr(other, "_submit", lambda job: queued.append(job) or True)
+    monkeypatch.setenv(other.SWITCH, "1")
+    failed = other.stats["replays_failed"]
+
+    class OnGpu:  # what compile_other_class reads of the call's x
+        shape, is_cuda, device = (2, 256, 8, 64), True, "cuda:0"
+    for replay in _plain_replays(256):
+        queued.clear()
+        other.compile_other_class(replay, OnGpu(), args=_plain_args(256))
+        assert queued and other.stats["replays_failed"] == failed
+    args = _layer_args(256, with_z=True, packed=False)
+    queued.clear()
+    other.compile_other_class(backend._layer_replay(choose_config(1, 256, 2, 6, 64, 128, 128), training=True),
+                              OnGpu(), args=args, ungated=torch.zeros_like(args.x))
+    assert {job.kernel._pyfunc.__name__ for job in queued} >= {"chunk_grads_columns_kernel", "chunk_states_walk_kernel"}
+    assert other.stats["replays_failed"] == failed

@@ -66,7 +66,7 @@ for name, step, first, then in (("layer", layer_step, 256, 255), ("plain", plain
     delta["main_thread_compiles"] = main_thread_compiles[0] - compiles_before
     exact = step(then, "pytorch", torch.float64)
     errors = [((o.double() - e).norm() / e.norm()).item() for o, e in zip(ours, exact)]
-    report[name] = {"idle": idle, "delta": delta, "errors": errors}
+    report[name] = {"idle": idle, "delta": delta, "errors": errors, "replays_failed": other.stats["replays_failed"]}
 print("REPORT " + json.dumps(report))
 '''
 
@@ -81,6 +81,7 @@ def test_the_other_token_class_compiles_in_the_background():
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout.split("REPORT ", 1)[1])
     for op, result in report.items():
+        assert result["replays_failed"] == 0, f"{op}: a replay raised on meta tensors: {result}"
         assert result["idle"], f"{op}: the background compiles did not end in 300 s"
         assert result["delta"]["main_thread_compiles"] == 0, f"{op}: the other class's step compiled itself: {result}"
         assert result["delta"]["taken"] > 0, f"{op}: nothing was taken from the background: {result}"

@@ -42,7 +42,9 @@ _worker: threading.Thread | None = None
 _pending = 0            # queued compiles the thread has not finished or skipped
 _calls_compiling = 0    # compiles of calls in progress, and when the last one ended
 _last_call_compile = 0.0
-stats = {"compiled_in_background": 0, "taken": 0}  # binaries the thread made, and calls took
+# Binaries the thread made and calls took, and replays that raised (their other class compiles
+# on its own first call).
+stats = {"compiled_in_background": 0, "taken": 0, "replays_failed": 0}
 
 
 def enabled() -> bool:
@@ -63,7 +65,8 @@ def compile_other_class(replay, x, /, **named) -> None:
     fields so named, have the token axis of ``x``, the call's x). Never raises: a replay meta
     tensors cannot take leaves the other class to compile on its own call."""
     if enabled() and x.is_cuda and other_class_tokens(x.shape[1]) is not None:
-        queue_other_class(replay, x.shape[1], torch.cuda.get_device_capability(x.device), named)
+        with torch.cuda.device(x.device):  # the host code sizes launches for the current GPU (tuning.py)
+            queue_other_class(replay, x.shape[1], torch.cuda.get_device_capability(x.device), named)
 
 
 def queue_other_class(replay, tokens, capability, named) -> int:
@@ -73,6 +76,8 @@ def queue_other_class(replay, tokens, capability, named) -> int:
         own = [_key(kernel, signature, capability) for kernel, signature in _signatures(replay, named, tokens, tokens)]
         other = _signatures(replay, named, tokens, other_class_tokens(tokens))
     except Exception:  # noqa: BLE001
+        with _lock:
+            stats["replays_failed"] += 1
         return 0
     with _lock:
         _seen.update(own)
@@ -115,7 +120,12 @@ def _on_meta(name, value, tokens, to_tokens):
         shape[1] = to_tokens
         if stride[0] % tokens == 0 and stride[0] >= tokens * stride[1]:  # rows one after another
             stride[0] = stride[0] // tokens * to_tokens
-    return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+    # The storage offset stays: cuTile's signature records whether the base address is 16-byte aligned,
+    # and a layer's x, B and C are views into one projection at offsets.
+    offset = value.storage_offset()
+    extent = offset + 1 + sum((size - 1) * step for size, step in zip(shape, stride) if size > 0)
+    storage = torch.empty(extent, dtype=value.dtype, device="meta")
+    return storage.as_strided(shape, stride, offset)
 
 
 def _submit(job) -> bool:

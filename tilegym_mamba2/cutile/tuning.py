@@ -75,8 +75,16 @@ def choose_config(batch, tokens, groups, heads, head_size, state_size, chunk_siz
                   out_occupancy=out_occupancy)
 
 
-@functools.cache
 def _multiprocessor_count(device) -> int:
+    if getattr(device, "type", None) == "meta":
+        # A replay on meta tensors (other_token_class.py) sizes its launches as the call it follows
+        # did: for the current GPU, which compile_other_class makes the call's.
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return _gpu_multiprocessor_count(device)
+
+
+@functools.cache
+def _gpu_multiprocessor_count(device) -> int:
     if device is None or not torch.cuda.is_available():
         return 132  # an H100/H200; only used for sizing when no GPU is queried
     return torch.cuda.get_device_properties(device).multi_processor_count
