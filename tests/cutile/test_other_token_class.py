@@ -14,15 +14,17 @@ from tilegym_mamba2.core.validation import ForwardArgs  # noqa: E402
 from tilegym_mamba2.cutile import launch, other_token_class as other  # noqa: E402
 
 
-def test_the_other_class_has_as_many_chunks_and_the_other_divisibility():
+def test_the_other_classes_have_as_many_chunks_and_every_other_divisibility():
     for tokens in range(2, 5000):
-        to = other.other_class_tokens(tokens)
-        assert (to % 16 == 0) != (tokens % 16 == 0), tokens
-        assert to > 1 and -(-to // 64) == -(-tokens // 64), tokens
+        counts = other.other_class_counts(tokens)
+        classes = [other.token_class(n) for n in counts]
+        assert sorted(classes + [other.token_class(tokens)]) == [1, 2, 4, 8, 16], tokens
+        assert all(n > 0 and -(-n // 64) == -(-tokens // 64) for n in counts), tokens
+    assert [other.token_class(n) for n in (1, 6, 12, 40, 48, 8192, 8191)] == [1, 2, 4, 8, 16, 16, 1]
 
 
-def test_one_token_is_a_class_of_its_own():
-    assert other.other_class_tokens(1) is None
+def test_one_token_is_left_to_its_own_calls():
+    assert other.other_class_counts(1) == []
 
 
 def test_meta_copies_move_the_token_axis_of_token_arguments_only():
@@ -157,11 +159,11 @@ def _layer_args(tokens, with_z, packed, varlen=False):
 
 
 @pytest.mark.parametrize("tokens", [256, 255, 1000])
-def test_the_forward_and_backward_replays_launch_what_the_other_count_launches(tokens):
-    to = other.other_class_tokens(tokens)
-    for replay in _plain_replays(tokens):
-        expected = _launches(lambda: replay(_plain_args(to)))
-        assert expected and _replayed(replay, tokens, to, args=_plain_args(tokens)) == expected
+def test_the_forward_and_backward_replays_launch_what_the_other_counts_launch(tokens):
+    for to in other.other_class_counts(tokens):
+        for replay in _plain_replays(tokens):
+            expected = _launches(lambda: replay(_plain_args(to)))
+            assert expected and _replayed(replay, tokens, to, args=_plain_args(tokens)) == expected
 
 
 def _plain_args(count):
@@ -191,7 +193,6 @@ def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launc
     from tilegym_mamba2.cutile.scan_combined import run_layer
     from tilegym_mamba2.cutile.tuning import choose_config
     tokens = 500
-    to = other.other_class_tokens(tokens)
     config = choose_config(1, tokens, 2, 6, 64, 128, 128)
 
     def step(args):
@@ -203,11 +204,12 @@ def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launc
             torch.zeros_like(args.x), dfinal, dvarlen, args.x, args.dt, args.A, args.B, args.C, args.chunk_size,
             args.D, args.z, args.dt_bias, args.initial_states, args.seq_idx, args.cu_seqlens, args.dt_softplus,
             args.dt_limit, ungated=ungated)
-    expected = _launches(lambda: step(_layer_args(to, with_z, packed)))
-    args = _layer_args(tokens, with_z, packed)
-    ungated = torch.zeros_like(args.x) if with_z and not packed else None
-    replayed = _replayed(backend._layer_replay(config, training=True), tokens, to, args=args, ungated=ungated)
-    assert expected and replayed == expected
+    for to in other.other_class_counts(tokens):
+        expected = _launches(lambda: step(_layer_args(to, with_z, packed)))
+        args = _layer_args(tokens, with_z, packed)
+        ungated = torch.zeros_like(args.x) if with_z and not packed else None
+        replayed = _replayed(backend._layer_replay(config, training=True), tokens, to, args=args, ungated=ungated)
+        assert expected and replayed == expected, to
 
 
 def test_a_packed_training_step_returning_varlen_states_is_not_replayed():
@@ -276,3 +278,78 @@ def test_every_replay_runs_where_torch_has_a_gpu(torch_on_a_gpu_machine, monkeyp
                               OnGpu(), args=args, ungated=torch.zeros_like(args.x))
     assert {job.kernel._pyfunc.__name__ for job in queued} >= {"chunk_grads_columns_kernel", "chunk_states_walk_kernel"}
     assert other.stats["replays_failed"] == failed
+
+
+# --- what cuTile would compile: every count's signatures are among those the replays queue
+
+def _specialization(arg):
+    """What cuTile's dispatcher specializes a launch argument on (cuda.tile 1.7, the C extension's
+    array specialization bits): for arrays of up to 5 dimensions, each size's divisibility by 16,
+    each stride's by 16 bytes and being 1; the base address's 16-byte alignment; whether elements
+    are disjoint. Plain ints are runtime values; constants are their values."""
+    if not isinstance(arg, torch.Tensor):
+        return "int" if type(arg) is int else arg
+    item = arg.element_size()
+    dims = tuple((size % 16 == 0, stride * item % 16 == 0, stride == 1)
+                 for size, stride in zip(arg.shape, arg.stride())) if arg.ndim <= 5 else ()
+    ordered = sorted(zip(arg.stride(), arg.shape))
+    disjoint = arg.ndim == 0 or (ordered[0][0] > 0 and all(
+        stride > 0 and stride >= inner_stride * inner_size
+        for (inner_stride, inner_size), (stride, _) in zip(ordered, ordered[1:])))
+    return arg.dtype, dims, arg.data_ptr() % 16 == 0, disjoint
+
+
+def _signatures_of(replay, named, tokens, to):
+    launches = _launches_with_args(lambda: replay(**{name: other._on_meta(name, value, tokens, to)
+                                                     for name, value in named.items()}))
+    return {(kernel, tuple(_specialization(a) for a in args)) for kernel, args in launches}
+
+
+def _launches_with_args(record):
+    with launch.recording_launches() as launches:
+        record()
+    return launches
+
+
+@pytest.mark.parametrize("heads", [6, 80])
+@pytest.mark.parametrize("first, then", [(8192, 5000), (256, 255), (1000, 777), (4096, 3000), (8192, 8002)])
+def test_the_replays_cover_every_later_count(heads, first, then):
+    """By cuTile's specialization rule, a call of ``then`` tokens after one of ``first`` (same
+    dimensions, same config) compiles nothing the replays did not queue: the plain op's forward and
+    backward, and the layer op's training step with z, without, and packed. With 6 heads a
+    [batch, tokens, heads] fp32 row is 24 tokens bytes, a multiple of 16 only for even counts; a
+    packed row's sequence ids, 4 tokens bytes."""
+    from tilegym_mamba2.backends import cutile as backend
+    from tilegym_mamba2.backends.cutile import KERNELS
+    from tilegym_mamba2.backward import chunk_backward
+    from tilegym_mamba2.core.validation import BackwardArgs, ScanCombinedArgs
+    from tilegym_mamba2.cutile.forward import run_stages
+    from tilegym_mamba2.cutile.tuning import choose_config
+
+    def plain(count):
+        x = torch.zeros(2, count, heads, 64, dtype=torch.bfloat16)
+        b = torch.zeros(2, count, 1, 128, dtype=torch.bfloat16)
+        return {"args": BackwardArgs(x, torch.zeros(heads), b, b.clone(), torch.zeros(heads),
+                                     torch.zeros(2, count, heads), None, torch.zeros_like(x),
+                                     torch.zeros(2, heads, 64, 128), 256)}
+
+    def layer(count, with_z, packed):
+        x = torch.zeros(1, count, heads, 64, dtype=torch.bfloat16)
+        b = torch.zeros(1, count, 1, 128, dtype=torch.bfloat16)
+        cu_seqlens = torch.tensor([0, count // 3, count], dtype=torch.int32) if packed else None
+        args = ScanCombinedArgs(x, torch.zeros(1, count, heads), torch.zeros(heads), b, b.clone(), 256,
+                                torch.zeros(heads), torch.zeros_like(x) if with_z else None, torch.zeros(heads),
+                                None, None, cu_seqlens, True, (0.0, float("inf")), False, False)
+        return {"args": args, "ungated": torch.zeros_like(x) if with_z and not packed else None}
+
+    config = choose_config(2, first, 1, heads, 64, 128, 256)
+    cases = [(lambda args: run_stages(*args[:7], args.chunk_size, config), plain),
+             (lambda args: chunk_backward(KERNELS, *args[:-1]), plain)]
+    cases += [(backend._layer_replay(config, training=True), lambda count, z=z, p=p: layer(count, z, p))
+              for z, p in ((True, False), (False, False), (False, True))]
+    for replay, inputs in cases:
+        queued = set()
+        for to in [first] + other.other_class_counts(first):
+            queued |= _signatures_of(replay, inputs(first), first, to)
+        missing = _signatures_of(replay, inputs(then), then, then) - queued
+        assert not missing, [kernel._pyfunc.__name__ for kernel, _ in missing]

@@ -290,7 +290,13 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     db, dc = (new_output(batch, tokens, blocks, state_size, dtype=torch.float32, device=x.device) for _ in range(2))
     skip_mode = NO_SKIP if d is None else SKIP_PER_HEAD if d.ndim == 1 else SKIP_PER_CHANNEL
     chunks = padded // chunk_size
-    dd = None if d is None else new_output(batch, chunks, heads, *d.shape[1:], dtype=torch.float32, device=x.device)
+    # The per-chunk sums' chunk axis is allocated to a multiple of 16 and returned as a view of the
+    # chunks: cuTile specializes on each size's and stride's divisibility by 16, so an axis of
+    # exactly `chunks` would compile both kernels again for every count of chunks of the other
+    # class (cutile/other_token_class.py compiles one other class: the token count's).
+    stored_chunks = -(-chunks // 16) * 16
+    dd = None if d is None else new_output(batch, stored_chunks, heads, *d.shape[1:], dtype=torch.float32,
+                                           device=x.device)
     grid = (batch * blocks, chunks)
     tf32 = tf32_mma(x.dtype)
     dy_low = dy if dy_low is None else dy_low
@@ -299,8 +305,8 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
            (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_entry_states, seq,
             dl if d is None else d, dx, ddt_input, dl, db, dl if dd is None else dd, chunk_size, head_size,
             state_size, seq_idx is not None, dy_low is not dy, skip_mode, block_heads, tf32))
-    da = new_output(batch, heads, chunks, dtype=torch.float32, device=x.device)
+    da = new_output(batch, heads, stored_chunks, dtype=torch.float32, device=x.device)
     launch(grid, chunk_grads_rows_kernel,
            (x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, seq, a, dl, ddt_input, da, dc, chunk_size,
             head_size, state_size, seq_idx is not None, dy_low is not dy, block_heads, tf32))
-    return dx, ddt_input, da, db, dc, dd
+    return dx, ddt_input, da[:, :, :chunks], db, dc, None if dd is None else dd[:, :chunks]

@@ -1,17 +1,24 @@
-"""A call's kernels for the other token-count class, compiled in the background after its first call.
+"""A call's kernels for the other token-count classes, compiled in the background after its first call.
 
-cuTile compiles a kernel once per pattern of array dimensions that are 1 or divisible by 16, so a
-model's first token count of the other class compiles every kernel of its call again: 8.0 s for
-the 2.7B layer's forward and backward on the H200, 6.7 s of it tileiras (docs/design.md, "First
-calls"). After a call that had no plan, ``compile_other_class`` replays the call's host code on
-meta tensors with the token count moved to the nearest count of the other class, records its
-launches without running them (launch.recording_launches), asks cuTile for the signature each
-launch would compile (get_parameter_constraints_from_pyargs: what its dispatcher computes from
-the arguments), and a daemon thread compiles the signatures not compiled yet, one at a time.
+cuTile compiles a kernel once per pattern of specialization bits of its arrays: each size's
+divisibility by 16, whether each stride is a multiple of 16 bytes, whether the base address is
+16-byte aligned. A token count T enters sizes (the token axis) and strides (a row of [batch, T]
+int32 sequence ids is 4T bytes; of [batch, T, heads] fp32, 4 heads T), so T's class is its
+power-of-two divisor up to 16: odd, 2, 4, 8 or 16 and more. A model's first count of a new class
+compiles every kernel of its call again: 8.0 s for the 2.7B layer's forward and backward on the
+H200, 6.7 s of it tileiras (docs/design.md, "First calls"). After a call that had no plan,
+``compile_other_class`` replays the call's host code on meta tensors with the token count moved
+to the nearest count of each other class with as many 64-token chunks, records its launches
+without running them (launch.recording_launches), asks cuTile for the signature each launch
+would compile (get_parameter_constraints_from_pyargs: what its dispatcher computes from the
+arguments), and a daemon thread compiles the signatures not compiled yet, one at a time. Classes
+that give a model the same bits (most do: with 80 heads every stride is a multiple of 16 bytes)
+give the same signatures, compiled once. A call whose own signatures were all seen (a shape of a
+class met before) replays nothing more.
 
 cuTile's dispatcher calls a kernel's ``_compile`` when it has no binary for a signature; each kernel
 a replay met gets one that first takes the background's result for that signature (waiting if it
-is being compiled), so the first call of the other class loads binaries instead of compiling.
+is being compiled), so the first call of another class loads binaries instead of compiling.
 The results also land in cuTile's disk cache. The thread starts a compile only when no compile of
 a call has run for QUIET_S seconds: a call's own compiles wait for at most the one in progress.
 TILEGYM_MAMBA2_PRECOMPILE=1 turns this on; without it nothing is replayed or hooked.
@@ -51,12 +58,25 @@ def enabled() -> bool:
     return os.environ.get(SWITCH) == "1"
 
 
-def other_class_tokens(tokens: int) -> int | None:
-    """The nearest token count of the other class with as many 64-token chunks: one less than a
-    multiple of 16, else the next multiple of 16. None for 1 token (a class of its own)."""
+def token_class(tokens: int) -> int:
+    """The power of two dividing ``tokens``, up to 16: what cuTile's specialization bits can see of it."""
+    return min(tokens & -tokens, 16)
+
+
+def other_class_counts(tokens: int) -> list[int]:
+    """For each class but ``tokens``' own, the nearest count of that class with as many 64-token
+    chunks; none for 1 token (a decode-sized call: its classes are left to their own calls)."""
     if tokens <= 1:
-        return None
-    return tokens - 1 if tokens % 16 == 0 else -(-tokens // 16) * 16
+        return []
+    chunks = -(-tokens // 64)
+    low, high = 64 * (chunks - 1) + 1, 64 * chunks
+    counts = []
+    for wanted in (1, 2, 4, 8, 16):
+        if wanted != token_class(tokens):
+            # Every 16 consecutive counts hold each class, and a chunk's range holds 64 of them.
+            counts.append(min((n for n in range(low, high + 1) if token_class(n) == wanted),
+                              key=lambda n: abs(n - tokens)))
+    return counts
 
 
 def compile_other_class(replay, x, /, **named) -> None:
@@ -64,7 +84,7 @@ def compile_other_class(replay, x, /, **named) -> None:
     host code again on meta copies of ``named`` (tensors named in TOKEN_FIELDS, or a named tuple's
     fields so named, have the token axis of ``x``, the call's x). Never raises: a replay meta
     tensors cannot take leaves the other class to compile on its own call."""
-    if enabled() and x.is_cuda and other_class_tokens(x.shape[1]) is not None:
+    if enabled() and x.is_cuda and other_class_counts(x.shape[1]):
         with torch.cuda.device(x.device):  # the host code sizes launches for the current GPU (tuning.py)
             queue_other_class(replay, x.shape[1], torch.cuda.get_device_capability(x.device), named)
 
@@ -74,14 +94,17 @@ def queue_other_class(replay, tokens, capability, named) -> int:
     try:
         # The call's own signatures are compiled already (in memory): never queued.
         own = [_key(kernel, signature, capability) for kernel, signature in _signatures(replay, named, tokens, tokens)]
-        other = _signatures(replay, named, tokens, other_class_tokens(tokens))
+        with _lock:
+            if all(key in _seen for key in own):
+                return 0  # its class was met before, and every class was replayed then
+            _seen.update(own)
+        others = [_signatures(replay, named, tokens, count) for count in other_class_counts(tokens)]
     except Exception:  # noqa: BLE001
         with _lock:
             stats["replays_failed"] += 1
         return 0
-    with _lock:
-        _seen.update(own)
-    return sum(_submit(_Compile(kernel, signature, capability)) for kernel, signature in other)
+    return sum(_submit(_Compile(kernel, signature, capability)) for signatures in others
+               for kernel, signature in signatures)
 
 
 class _Compile:
