@@ -134,17 +134,21 @@ def test_the_switch_and_cpu_tensors(fake_cutile, torch_on_a_gpu_machine, monkeyp
 
 # --- the replays of cutile's backend: what they launch is what a call of the other count launches
 
-def _launches(record):
-    """(kernel, each argument: a tensor's dtype, shape and strides, else the value) of every launch."""
+def _layout(arg):
+    return (arg.dtype, tuple(arg.shape), arg.stride()) if isinstance(arg, torch.Tensor) else arg
+
+
+def _launches(record, describe=_layout):
+    """(kernel, each argument described: by default a tensor's dtype, shape and strides, else the
+    value) of every launch."""
     with launch.recording_launches() as launches:
         record()
-    return [(kernel, tuple((a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a for a in args))
-            for kernel, args in launches]
+    return [(kernel, tuple(describe(a) for a in args)) for kernel, args in launches]
 
 
-def _replayed(replay, tokens, to_tokens, **named):
+def _replayed(replay, tokens, to_tokens, describe=_layout, **named):
     return _launches(lambda: replay(**{name: other._on_meta(name, value, tokens, to_tokens)
-                                       for name, value in named.items()}))
+                                       for name, value in named.items()}), describe)
 
 
 def _layer_args(tokens, with_z, packed, varlen=False):
@@ -300,15 +304,7 @@ def _specialization(arg):
 
 
 def _signatures_of(replay, named, tokens, to):
-    launches = _launches_with_args(lambda: replay(**{name: other._on_meta(name, value, tokens, to)
-                                                     for name, value in named.items()}))
-    return {(kernel, tuple(_specialization(a) for a in args)) for kernel, args in launches}
-
-
-def _launches_with_args(record):
-    with launch.recording_launches() as launches:
-        record()
-    return launches
+    return set(_replayed(replay, tokens, to, describe=_specialization, **named))
 
 
 @pytest.mark.parametrize("heads", [6, 80])
