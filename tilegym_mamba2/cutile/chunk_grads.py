@@ -292,8 +292,9 @@ def chunk_grads(x, b, c, dy, dy_low, dt_bht, decay_cumsum, entry_states, rev_ent
     chunks = padded // chunk_size
     # The per-chunk sums' chunk axis is allocated to a multiple of 16 and returned as a view of the
     # chunks: cuTile specializes on each size's and stride's divisibility by 16, so an axis of
-    # exactly `chunks` would compile both kernels again for every count of chunks of the other
-    # class (cutile/other_token_class.py compiles one other class: the token count's).
+    # exactly `chunks` would compile both kernels again whenever the count of chunks changes class,
+    # which the background compile of the other token-count classes (cutile/other_token_class.py,
+    # replays at the call's own count of chunks) cannot foresee.
     stored_chunks = -(-chunks // 16) * 16
     dd = None if d is None else new_output(batch, stored_chunks, heads, *d.shape[1:], dtype=torch.float32,
                                            device=x.device)
