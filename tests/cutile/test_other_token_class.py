@@ -84,13 +84,13 @@ def test_a_call_of_the_other_class_takes_the_background_binary(fake_cutile):
     assert other.queue_other_class(replay, 64, (9, 0), {"x": x}) == 1
     assert other.queue_other_class(replay, 64, (9, 0), {"x": x}) == 0  # queued once
     assert other.wait_idle(60)
-    assert kernel.compiled == [(Signature((False,), other._CONVENTION), "tilegym-mamba2-precompile")]
+    assert kernel.compiled == [(Signature((False,), other._V1), "tilegym-mamba2-precompile")]
     # What cuTile's dispatcher does on the first launch of 63 tokens:
-    assert kernel._compile(Signature((False,), other._CONVENTION), None, (9, 0)) == ("binary", (False,))
+    assert kernel._compile(Signature((False,), other._V1), None, (9, 0)) == ("binary", (False,))
     assert len(kernel.compiled) == 1 and other.stats["taken"] == before["taken"] + 1
     # Another capability, or the call's own class: the call compiles them itself.
-    kernel._compile(Signature((False,), other._CONVENTION), None, (10, 0))
-    kernel._compile(Signature((True,), other._CONVENTION), None, (9, 0))
+    kernel._compile(Signature((False,), other._V1), None, (10, 0))
+    kernel._compile(Signature((True,), other._V1), None, (9, 0))
     assert [thread for _, thread in kernel.compiled[1:]] == [threading.current_thread().name] * 2
 
 
@@ -99,9 +99,33 @@ def test_a_call_takes_a_compile_the_thread_has_not_started_and_it_runs_once(fake
     monkeypatch.setattr(other, "QUIET_S", 3600.0)
     other._call_compiling(0)  # a call compiled just now: the thread waits
     assert other.queue_other_class(replay, 64, (9, 0), {"x": torch.zeros(2, 64, 4)}) == 1
-    kernel._compile(Signature((False,), other._CONVENTION), None, (9, 0))
+    kernel._compile(Signature((False,), other._V1), None, (9, 0))
     assert other.wait_idle(60)
     assert [thread for _, thread in kernel.compiled] == [threading.current_thread().name]
+
+
+def test_a_dimension_of_size_one_is_in_the_signature_as_a_launch_compiles_it(monkeypatch):
+    """cuTile's launch makes a dimension of size 1 a constant of its signature, which only calling
+    convention v2 conveys, and compiles with v1 where nothing needs v2. Asked for v1 constraints,
+    its C extension leaves sizes of 1 out, so a replay of a model with one group (b and c of
+    [batch, tokens, 1, state]) queued signatures no launch meets: the stand-in below does as the
+    C extension does (cuda.tile 1.7, get_parameter_constraints_from_pyargs)."""
+    from cuda.tile.compilation import ArrayConstraint, KernelSignature
+    from cuda.tile import bfloat16, int32
+
+    def constraints(kernel, args, convention):
+        shapes = convention.version >= 2  # "can_specialize_for_shape" is off below v2
+        return [ArrayConstraint(bfloat16, a.ndim, index_dtype=int32, stride_lower_bound_incl=0, alias_groups=(),
+                                may_alias_internally=False, shape_constant=[1 if shapes and size == 1 else None for size in a.shape])
+                for a in args]
+    monkeypatch.setattr(other, "get_parameter_constraints_from_pyargs", constraints)
+    grouped = torch.zeros(2, 64, 1, 16, dtype=torch.bfloat16, device="meta")
+    signature = other._launch_signature(None, (grouped, grouped[:, :, 0]))
+    assert signature.calling_convention.version == 2
+    assert [c.shape_constant for c in signature.parameters] == [(None, None, 1, None), (None, None, None)]
+    ungrouped = torch.zeros(2, 64, 2, 16, dtype=torch.bfloat16, device="meta")
+    assert other._launch_signature(None, (ungrouped,)) == KernelSignature(constraints(None, (ungrouped,), other._V2),
+                                                                          other._V1)
 
 
 def test_a_replay_that_fails_on_meta_tensors_queues_nothing(fake_cutile):
@@ -129,7 +153,7 @@ def test_the_switch_and_cpu_tensors(fake_cutile, torch_on_a_gpu_machine, monkeyp
     monkeypatch.setenv(other.SWITCH, "1")
     other.compile_other_class(replay, OnGpu(), x=x)
     assert other.wait_idle(60) and [signature for signature, _ in kernel.compiled] == [
-        Signature((False,), other._CONVENTION)]
+        Signature((False,), other._V1)]
 
 
 # --- the replays of cutile's backend: what they launch is what a call of the other count launches
@@ -288,13 +312,13 @@ def test_every_replay_runs_where_torch_has_a_gpu(torch_on_a_gpu_machine, monkeyp
 
 def _specialization(arg):
     """What cuTile's dispatcher specializes a launch argument on (cuda.tile 1.7, the C extension's
-    array specialization bits): for arrays of up to 5 dimensions, each size's divisibility by 16,
-    each stride's by 16 bytes and being 1; the base address's 16-byte alignment; whether elements
+    array specialization bits): for arrays of up to 5 dimensions, each size's divisibility by 16
+    and being 1, each stride's by 16 bytes and being 1; the base address's 16-byte alignment; whether elements
     are disjoint. Plain ints are runtime values; constants are their values."""
     if not isinstance(arg, torch.Tensor):
         return "int" if type(arg) is int else arg
     item = arg.element_size()
-    dims = tuple((size % 16 == 0, stride * item % 16 == 0, stride == 1)
+    dims = tuple((size % 16 == 0, size == 1, stride * item % 16 == 0, stride == 1)
                  for size, stride in zip(arg.shape, arg.stride())) if arg.ndim <= 5 else ()
     ordered = sorted(zip(arg.stride(), arg.shape))
     disjoint = arg.ndim == 0 or (ordered[0][0] > 0 and all(

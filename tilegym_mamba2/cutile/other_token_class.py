@@ -31,7 +31,7 @@ import time
 import torch
 from cuda.tile._cext import (CallingConvention, default_tile_context, get_compute_capability,
                              get_parameter_constraints_from_pyargs)
-from cuda.tile.compilation import KernelSignature
+from cuda.tile.compilation import ArrayConstraint, KernelSignature, ListConstraint, TupleConstraint
 
 from .launch import recording_launches
 
@@ -39,7 +39,10 @@ SWITCH = "TILEGYM_MAMBA2_PRECOMPILE"
 # The arguments with a token axis (axis 1: [batch, tokens, ...]).
 TOKEN_FIELDS = frozenset(("x", "b", "c", "dt", "dout", "B", "C", "z", "seq_idx", "ungated"))
 QUIET_S = 1.0
-_CONVENTION = CallingConvention.cutile_python_v1()  # the one cuTile's launches compile for
+# A launch asks for constraints with every specialization cuTile has (a dimension of size 1
+# becomes a constant, which only calling convention v2 conveys) and compiles with the lowest
+# convention that conveys them (its C extension's make_signature).
+_V1, _V2 = CallingConvention.cutile_python_v1(), CallingConvention.cutile_python_v2()
 
 _lock = threading.Lock()
 _seen: set = set()      # signatures compiled or queued, as _key gives them
@@ -127,9 +130,22 @@ def _signatures(replay, named, tokens, to_tokens):
     signatures = []
     for kernel, args in launches:
         _hook(kernel)
-        constraints = get_parameter_constraints_from_pyargs(kernel, args, _CONVENTION)
-        signatures.append((kernel, KernelSignature(constraints, _CONVENTION)))
+        signatures.append((kernel, _launch_signature(kernel, args)))
     return signatures
+
+
+def _launch_signature(kernel, args):
+    """The signature cuTile's dispatcher compiles for a launch of ``kernel`` on ``args``."""
+    constraints = get_parameter_constraints_from_pyargs(kernel, args, _V2)
+    return KernelSignature(constraints, _V2 if any(map(_needs_v2, constraints)) else _V1)
+
+
+def _needs_v2(constraint) -> bool:
+    if isinstance(constraint, ArrayConstraint):
+        return any(size is not None for size in constraint.shape_constant)
+    if isinstance(constraint, ListConstraint):
+        return _needs_v2(constraint.element)
+    return isinstance(constraint, TupleConstraint)
 
 
 def _on_meta(name, value, tokens, to_tokens):
