@@ -67,6 +67,7 @@ def fake_cutile(monkeypatch):
     monkeypatch.setattr(other, "get_parameter_constraints_from_pyargs",
                         lambda kernel, args, convention: tuple(a.shape[1] % 16 == 0 for a in args))
     monkeypatch.setattr(other, "_seen", set())
+    monkeypatch.setattr(other, "_replayed", set())
     monkeypatch.setattr(other, "_ready", {})
     monkeypatch.setattr(other, "QUIET_S", 0.0)
     kernel = Kernel()
@@ -102,6 +103,26 @@ def test_a_call_takes_a_compile_the_thread_has_not_started_and_it_runs_once(fake
     kernel._compile(Signature((False,), other._V1), None, (9, 0))
     assert other.wait_idle(60)
     assert [thread for _, thread in kernel.compiled] == [threading.current_thread().name]
+
+
+def test_a_second_model_on_the_same_kernels_still_replays_its_other_class(fake_cutile, monkeypatch):
+    """Once a first model's replay has hooked a kernel, a second model's first call compiles its
+    own signatures through the hook (which notes them), and another's replays may have queued
+    some: neither may pass for its other classes having been replayed (a layer step then a plain
+    op step, batch 1 then 2, compiled the plain op's other class on its own call)."""
+    kernel, replay = fake_cutile
+    monkeypatch.setattr(other, "get_parameter_constraints_from_pyargs",
+                        lambda kernel, args, convention: tuple((a.shape[0], a.shape[1] % 16 == 0) for a in args))
+    assert other.queue_other_class(replay, 64, (9, 0), {"x": torch.zeros(1, 64, 4)}) == 1
+    assert other.wait_idle(60)
+    # The second model's first launch misses cuTile's cache: its dispatcher compiles through the hook.
+    kernel._compile(Signature(((2, True),), other._V1), None, (9, 0))
+    assert other.queue_other_class(replay, 64, (9, 0), {"x": torch.zeros(2, 64, 4)}) == 1
+    assert other.queue_other_class(replay, 48, (9, 0), {"x": torch.zeros(2, 48, 4)}) == 0  # class replayed
+    assert other.wait_idle(60)
+    assert kernel._compile(Signature(((2, False),), other._V1), None, (9, 0)) == ("binary", ((2, False),))
+    assert [thread for _, thread in kernel.compiled] == [
+        "tilegym-mamba2-precompile", threading.current_thread().name, "tilegym-mamba2-precompile"]
 
 
 def test_a_dimension_of_size_one_is_in_the_signature_as_a_launch_compiles_it(monkeypatch):

@@ -46,6 +46,7 @@ _V1, _V2 = CallingConvention.cutile_python_v1(), CallingConvention.cutile_python
 
 _lock = threading.Lock()
 _seen: set = set()      # signatures compiled or queued, as _key gives them
+_replayed: set = set()  # signatures of calls whose other classes were replayed
 _ready: dict = {}       # _key -> _Compile queued for the thread, until a call takes it
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _worker: threading.Thread | None = None
@@ -98,8 +99,11 @@ def queue_other_class(replay, tokens, capability, named) -> int:
         # The call's own signatures are compiled already (in memory): never queued.
         own = [_key(kernel, signature, capability) for kernel, signature in _signatures(replay, named, tokens, tokens)]
         with _lock:
-            if all(key in _seen for key in own):
+            # Not _seen: a call's own launches enter it as they compile, and another model's
+            # replays may have queued them, yet their other classes are still unreplayed.
+            if all(key in _replayed for key in own):
                 return 0  # its class was met before, and every class was replayed then
+            _replayed.update(own)
             _seen.update(own)
         others = [_signatures(replay, named, tokens, count) for count in other_class_counts(tokens)]
     except Exception:  # noqa: BLE001
