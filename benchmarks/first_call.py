@@ -20,7 +20,7 @@ MODE:
                 mamba2_chunk_forward on that shape (chunk 256 and bf16 unless given); with
                 --then T2, the first call of T2 tokens after it, same process: a new token count
                 once the model's dimensions are known; with --backward, forward then backward;
-                with --wait-background (and TILEGYM_MAMBA2_PRECOMPILE=1), T2's call waits until
+                with --wait-background (unless TILEGYM_MAMBA2_PRECOMPILE=0), T2's call waits until
                 the background compiles of the other token-count class
                 (cutile/other_token_class.py) have ended, as a later step of a training run would
 It prints one line: the import time, the first call's seconds (forward and backward apart in

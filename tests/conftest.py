@@ -59,6 +59,9 @@ def pytest_configure(config):
     switch tuning on themselves, so that each kernel compiles once per shape."""
     os.environ["TILEGYM_MAMBA2_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilegym-mamba2-tuning-")
     os.environ.setdefault("TILEGYM_MAMBA2_TUNE", "0")
+    # The suite compiles many shapes: compiling each one's other token-count classes in the
+    # background too would multiply its compiles (the tests of that path switch it on themselves).
+    os.environ.setdefault("TILEGYM_MAMBA2_PRECOMPILE", "0")
 
 
 @pytest.fixture(autouse=True)

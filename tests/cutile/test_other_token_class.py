@@ -158,8 +158,8 @@ def test_a_replay_that_fails_on_meta_tensors_queues_nothing(fake_cutile):
 
 
 def test_the_switch_and_cpu_tensors(fake_cutile, torch_on_a_gpu_machine, monkeypatch):
-    """TILEGYM_MAMBA2_PRECOMPILE=0 queues nothing, nor does a call on CPU tensors; otherwise a GPU
-    call's replay is queued."""
+    """TILEGYM_MAMBA2_PRECOMPILE=0 queues nothing, nor does a call on CPU tensors; otherwise (the
+    switch unset or 1) a GPU call's replay is queued."""
     kernel, replay = fake_cutile
     x = torch.zeros(2, 64, 4)
     monkeypatch.setenv(other.SWITCH, "1")
@@ -171,6 +171,8 @@ def test_the_switch_and_cpu_tensors(fake_cutile, torch_on_a_gpu_machine, monkeyp
     monkeypatch.setenv(other.SWITCH, "0")
     other.compile_other_class(replay, OnGpu(), x=x)
     assert other._ready == {}
+    monkeypatch.delenv(other.SWITCH)
+    assert other.enabled()  # on unless switched off
     monkeypatch.setenv(other.SWITCH, "1")
     other.compile_other_class(replay, OnGpu(), x=x)
     assert other.wait_idle(60) and [signature for signature, _ in kernel.compiled] == [

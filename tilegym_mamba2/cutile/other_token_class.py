@@ -21,7 +21,7 @@ a replay met gets one that first takes the background's result for that signatur
 is being compiled), so the first call of another class loads binaries instead of compiling.
 The results also land in cuTile's disk cache. The thread starts a compile only when no compile of
 a call has run for QUIET_S seconds: a call's own compiles wait for at most the one in progress.
-TILEGYM_MAMBA2_PRECOMPILE=1 turns this on; without it nothing is replayed or hooked.
+It is on by default; TILEGYM_MAMBA2_PRECOMPILE=0 turns it off (nothing is then replayed or hooked).
 """
 import os
 import queue
@@ -59,7 +59,7 @@ stats = {"compiled_in_background": 0, "taken": 0, "replays_failed": 0}
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH) == "1"
+    return os.environ.get(SWITCH, "1") != "0"
 
 
 def token_class(tokens: int) -> int:
@@ -84,7 +84,7 @@ def other_class_counts(tokens: int) -> list[int]:
 
 
 def compile_other_class(replay, x, /, **named) -> None:
-    """With TILEGYM_MAMBA2_PRECOMPILE=1, after a call's first run: ``replay(**named)`` runs its
+    """Unless TILEGYM_MAMBA2_PRECOMPILE=0, after a call's first run: ``replay(**named)`` runs its
     host code again on meta copies of ``named`` (tensors named in TOKEN_FIELDS, or a named tuple's
     fields so named, have the token axis of ``x``, the call's x). Never raises: a replay meta
     tensors cannot take leaves the other class to compile on its own call."""
