@@ -399,13 +399,11 @@ def test_a_layer_step_then_a_plain_op_step_compile_no_other_class_themselves(tor
     def plain(tokens):
         return [(replay, {"args": _plain_args(tokens)}) for replay in _plain_replays(tokens)]
 
-    def launches(replay, named, tokens):
-        with launch.recording_launches() as recorded:
-            replay(**{name: other._on_meta(name, value, tokens, tokens) for name, value in named.items()})
-        return recorded
+    def launches(replay, named, tokens):  # a call's own: its replay at its own count
+        return _replayed(replay, tokens, tokens, describe=lambda arg: arg, **named)
     kernels = {kernel for step, tokens in ((layer, 256), (plain, 200)) for replay, named in step(tokens)
                for kernel, _ in launches(replay, named, tokens)}
-    compiled = []  # (kernel, thread) of every compile
+    compiled = []  # (kernel name, thread) of every compile
 
     def compile_tile(kernel, signature, context, compute_capability=None):
         compiled.append((kernel._pyfunc.__name__, threading.current_thread().name))

@@ -13,8 +13,8 @@ without running them (launch.recording_launches), asks cuTile for the signature 
 would compile (get_parameter_constraints_from_pyargs: what its dispatcher computes from the
 arguments), and a daemon thread compiles the signatures not compiled yet, one at a time. Classes
 that give a model the same bits (most do: with 80 heads every stride is a multiple of 16 bytes)
-give the same signatures, compiled once. A call whose own signatures were all seen (a shape of a
-class met before) replays nothing more.
+give the same signatures, compiled once. A call whose own signatures were all replayed as a
+call's before (a shape of a class met before) replays nothing more.
 
 cuTile's dispatcher calls a kernel's ``_compile`` when it has no binary for a signature; each kernel
 a replay met gets one that first takes the background's result for that signature (waiting if it
