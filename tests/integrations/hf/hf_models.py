@@ -16,8 +16,28 @@ STRUCTURE_5_3 = hasattr(Mamba2Mixer, "cuda_kernels_forward")
 # The module-level name the mixer calls for each of our functions.
 MODULE_NAMES = dict(zip(OURS, OURS if STRUCTURE_5_3 else (
     "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")))
+# 5.25's: the mixer calls them through per-mixer wrappers (kernels' use_kernelized_func), whose
+# class forward is transformers' own function.
+STRUCTURE_5_25 = "causal_conv1d_forward" in vars(modeling_mamba2_module := __import__(
+    "transformers.models.mamba2.modeling_mamba2", fromlist=["_"]))
 only_5_17 = pytest.mark.skipif(STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.3's mixer")
 only_5_3 = pytest.mark.skipif(not STRUCTURE_5_3, reason=f"transformers {transformers.__version__} has 5.17's mixer")
+
+
+
+def spy_on_transformers(monkeypatch, module, name, spy):
+    """Makes transformers' own function ``name`` of modeling ``module`` call ``spy(*args, _theirs=...,
+    **kwargs)`` where the mixer reaches it: the module-level name (5.3 to 5.24), the function the
+    wrapper class's forward runs (5.25: the ``func`` of its closure)."""
+    theirs = getattr(module, name)
+    if STRUCTURE_5_25:
+        forward = type(theirs).forward
+        cell = forward.__closure__[forward.__code__.co_freevars.index("func")]
+        function = cell.cell_contents
+        monkeypatch.setattr(cell, "cell_contents", lambda *a, **k: spy(*a, _theirs=function, **k))
+    else:
+        monkeypatch.setattr(module, name, lambda *a, **k: spy(*a, _theirs=theirs, **k))
+
 
 VOCAB = 128
 NEW_TOKENS = 12

@@ -2,6 +2,8 @@
 backend computes what HF's modules compute, bit for bit; a patched model calls it for every
 norm outside autograd and keeps the modules' own forward where autograd records; the flag,
 a second call and the revert leave no patch behind."""
+import inspect
+
 import pytest
 import torch
 
@@ -15,6 +17,17 @@ from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2, revert_t
 # unpatched_classes: autouse, every test starts and ends with the classes as shipped.
 from hf_models import HYBRIDS, greedy, logits, only_5_17, prompt, tiny_hybrid, tiny_mamba2  # noqa: E402 (pytest puts this folder on sys.path)
 from tilegym_mamba2.integrations.hf.norm_patch import norm_classes, same_arithmetic  # noqa: E402
+
+# Mamba2's gated norm: MambaRMSNormGated until 5.24, Mamba2RMSNormGated from 5.25; from 5.23 it
+# normalises per group and its constructor takes the group's size.
+GATED = getattr(modeling, "Mamba2RMSNormGated", None) or modeling.MambaRMSNormGated
+
+
+def gated_norm(width, group_size=None, **kw):
+    if "group_size" in inspect.signature(GATED.__init__).parameters:
+        return GATED(width, group_size=group_size or width, **kw)
+    assert group_size in (None, width), "a whole-width norm before 5.23"
+    return GATED(width, **kw)
 
 
 @pytest.fixture
@@ -36,12 +49,26 @@ def test_pytorch_backend_equals_hugging_faces_norms(dtype, weight_dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 5, 96, generator=g) * 3).to(dtype)
     gate = torch.randn(3, 5, 130, generator=g).to(dtype)[..., 17:113]      # a strided slice, as the mixer's
-    gated, plain = modeling.MambaRMSNormGated(96, eps=1e-5), modeling.Mamba2RMSNorm(96, eps=1e-5)
+    gated, plain = gated_norm(96, eps=1e-5), modeling.Mamba2RMSNorm(96, eps=1e-5)
     for norm in (gated, plain):
         norm.weight.data = torch.randn(96, generator=g).to(weight_dtype)
     with torch.no_grad():
         assert torch.equal(tilegym_mamba2.rms_norm(x, gated.weight, gate, 1e-5), gated(x, gate))
         assert torch.equal(tilegym_mamba2.rms_norm(x, plain.weight, None, 1e-5), plain(x))
+
+
+@pytest.mark.skipif("group_size" not in inspect.signature(GATED.__init__).parameters,
+                    reason=f"transformers {transformers.__version__}'s gated norm spans the whole width")
+def test_pytorch_backend_equals_hugging_faces_per_group_norm():
+    """From 5.23 the gated norm normalises each of n_groups groups on its own."""
+    g = torch.Generator().manual_seed(2)
+    x, gate = (torch.randn(3, 5, 96, generator=g) * 3).to(torch.bfloat16), torch.randn(3, 5, 96, generator=g)
+    norm = gated_norm(96, group_size=24, eps=1e-5)
+    norm.weight.data = torch.randn(96, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        want = norm(x, gate.to(torch.bfloat16))
+        assert torch.equal(tilegym_mamba2.rms_norm(x, norm.weight, gate.to(torch.bfloat16), 1e-5, 24), want)
+        assert not torch.equal(tilegym_mamba2.rms_norm(x, norm.weight, gate.to(torch.bfloat16), 1e-5), want)
 
 
 def test_groups_normalise_each_group_on_its_own():
@@ -110,7 +137,7 @@ def test_a_norm_that_rounds_otherwise_keeps_its_own_forward(monkeypatch):
     """The probe tells the listed forwards from ones that apply the weight in fp32 or ignore groups."""
     bamba = pytest.importorskip("transformers.models.bamba.modeling_bamba")
     zamba2 = pytest.importorskip("transformers.models.zamba2.modeling_zamba2")
-    assert same_arithmetic(modeling.Mamba2RMSNorm, False) and same_arithmetic(modeling.MambaRMSNormGated, True)
+    assert same_arithmetic(modeling.Mamba2RMSNorm, False) and same_arithmetic(GATED, True)
     assert same_arithmetic(bamba.BambaRMSNorm, False) and same_arithmetic(zamba2.Zamba2RMSNormGated, True)
 
     class WeightInFp32(bamba.BambaRMSNorm):  # as transformers 5.22's NemotronHRMSNorm
@@ -119,8 +146,11 @@ def test_a_norm_that_rounds_otherwise_keeps_its_own_forward(monkeypatch):
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
             return (self.weight.float() * h).to(hidden_states.dtype)
 
-    class IgnoresGroups(zamba2.Zamba2RMSNormGated):
-        forward = bamba.BambaRMSNormGated.forward
+    class IgnoresGroups(zamba2.Zamba2RMSNormGated):  # as the gated norms before transformers 5.23
+        def forward(self, hidden_states, gate=None):
+            h = hidden_states.float() * torch.nn.functional.silu(gate.float())
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * h.to(hidden_states.dtype)
 
     assert not same_arithmetic(WeightInFp32, False)
     assert not same_arithmetic(IgnoresGroups, True)

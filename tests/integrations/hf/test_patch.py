@@ -19,7 +19,7 @@ from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer  # noqa: E402
 
 from hf_models import (  # noqa: E402  (pytest puts this folder on sys.path)
     MODULE_NAMES, NEW_TOKENS, OURS, STRUCTURE_5_3, assert_logits_close, cache_tensors, expected_calls, greedy, logits,
-    only_5_3, only_5_17, prompt, tiny_mamba2)
+    only_5_3, only_5_17, prompt, spy_on_transformers, tiny_mamba2)
 
 
 def test_unpatched_model_takes_the_torch_path(monkeypatch):
@@ -56,7 +56,7 @@ def test_model_patch_matches_torch_path_prefill_and_decode(calls, monkeypatch):
     apply_tilegym_kernel_to_mamba2(model=model)
     theirs = []  # 5.17: the module functions the patched mixer must not call
     for name in () if STRUCTURE_5_3 else MODULE_NAMES.values():
-        monkeypatch.setattr(modeling_mamba2, name, lambda *a, _name=name, **k: theirs.append(_name))
+        spy_on_transformers(monkeypatch, modeling_mamba2, name, lambda *a, _name=name, _theirs=None, **k: theirs.append(_name))
     assert_logits_close(logits(model, ids), ref_logits)
     assert calls.counts["mamba_chunk_scan_combined"] == 2 and calls.counts["selective_state_update"] == 0
     calls.counts.update({name: 0 for name in OURS})
@@ -218,13 +218,13 @@ def test_flags_choose_the_pieces(calls, monkeypatch):
     # with its torch code as the fallback), a piece left out calls that, and ours only the other.
     found = []
     for name in OURS:
-        def installed(*args, _name=name, _transformers=getattr(modeling_mamba2, MODULE_NAMES[name]), **kwargs):
+        def installed(*args, _name=name, _theirs=None, **kwargs):
             found.append(_name)
-            if _transformers is None:  # 5.3 without the package: stand in with our pytorch backend
+            if _theirs is None:  # 5.3 without the package: stand in with our pytorch backend
                 return calls.real[_name](*args, backend="pytorch", **kwargs)
-            return _transformers(*args, **kwargs)
+            return _theirs(*args, **kwargs)
 
-        monkeypatch.setattr(modeling_mamba2, MODULE_NAMES[name], installed)
+        spy_on_transformers(monkeypatch, modeling_mamba2, MODULE_NAMES[name], installed)
     expected = expected_calls(layers=2)
     for left_out, names in pieces.items():
         model = copy.deepcopy(ref_model)
@@ -249,7 +249,11 @@ def test_use_cutile_asks_for_the_cutile_backend(monkeypatch):
     for name in OURS + ("rms_norm",):
         monkeypatch.setattr(tilegym_mamba2, name, record)
     model = tiny_mamba2()
-    apply_tilegym_kernel_to_mamba2(model=model, use_cutile=True)
+    with pytest.raises(ValueError, match="use_cutile: the cuTile kernels take CUDA tensors, and model's parameters "
+                                         "are on cpu"):
+        apply_tilegym_kernel_to_mamba2(model=model, use_cutile=True)   # refused before anything is patched
+    assert "forward" not in vars(model.backbone.layers[0].mixer)
+    apply_tilegym_kernel_to_mamba2(use_cutile=True)                    # the classes: no device to check
     with pytest.raises(Reached):
         logits(model, prompt())
     assert seen == ["cutile"]

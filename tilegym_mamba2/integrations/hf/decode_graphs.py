@@ -124,7 +124,9 @@ class DecodeGraphs:
         # The decode step's output: the type the eager forward returned (until it has run, the
         # usual one of the model's family).
         if type(model).__name__ == "Mamba2ForCausalLM":
-            self.output_type, self.cache_field = inspect.getmodule(type(model)).Mamba2CausalLMOutput, "cache_params"
+            # The cache's keyword and output field: ``cache_params`` until 5.23, ``cache`` from 5.24.
+            self.cache_field = "cache" if "cache" in self.__signature__.parameters else "cache_params"
+            self.output_type = inspect.getmodule(type(model)).Mamba2CausalLMOutput
         else:
             from transformers.modeling_outputs import CausalLMOutputWithPast
             self.output_type, self.cache_field = CausalLMOutputWithPast, "past_key_values"
@@ -136,7 +138,8 @@ class DecodeGraphs:
 
     def __call__(self, *args, **kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache = kwargs.get("cache_params", kwargs.get("past_key_values"))
+        cache = next((kwargs[k] for k in ("cache", "cache_params", "past_key_values") if kwargs.get(k) is not None),
+                     None)
         step = None
         if len(args) <= 1 and self._is_decode_step(input_ids, cache, kwargs):
             step = self._step_for(input_ids.shape[0], cache)
@@ -145,7 +148,7 @@ class DecodeGraphs:
             if not hasattr(out, "logits"):  # return_dict=False: a tuple, which a step never returns
                 return out
             self.output_type = type(out)
-            self.cache_field = "cache_params" if hasattr(out, "cache_params") else "past_key_values"
+            self.cache_field = next(k for k in ("cache", "cache_params", "past_key_values") if hasattr(out, k))
             cache = getattr(out, self.cache_field, None)
             if cache is not None and kwargs.get("use_cache", True) and not torch.is_grad_enabled():
                 setattr(cache, _PREFILLED, True)
@@ -201,7 +204,7 @@ class _Step:
         # one eager prefill of a few tokens (transformers 5.17 allocates them on first use).
         with torch.no_grad():
             prefill = torch.zeros(bucket, 4, dtype=torch.long, device=device)
-            self.cache = runner.eager(input_ids=prefill, use_cache=True).cache_params
+            self.cache = getattr(runner.eager(input_ids=prefill, use_cache=True), runner.cache_field)
         self.live, self.live_batch = None, 0
         self.graph = self.logits = None
         if runner.use_graphs:
@@ -210,7 +213,7 @@ class _Step:
     def _forward(self):
         # cache_position on the CPU: transformers 5.3 reads cache_position[0] > 0 on the host to
         # pick its decode branch, which a capture must not wait for (5.17 takes a Python flag).
-        return self.runner.eager(input_ids=self.ids, cache_params=self.cache, use_cache=True,
+        return self.runner.eager(input_ids=self.ids, **{self.runner.cache_field: self.cache}, use_cache=True,
                                  cache_position=torch.ones(1, dtype=torch.long), attention_mask=None).logits
 
     def _capture(self):

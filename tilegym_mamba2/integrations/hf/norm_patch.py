@@ -30,7 +30,8 @@ from ...backends.pytorch import rms_norm_pytorch
 # where a probe finds it equal to rms_norm (same_arithmetic). FalconH1's gated norm is not listed:
 # it applies the weight before rounding and may gate after the norm.
 NORMS = (
-    ("mamba2", "MambaRMSNormGated", True),
+    ("mamba2", "MambaRMSNormGated", True),  # Mamba2RMSNormGated from transformers 5.25
+    ("mamba2", "Mamba2RMSNormGated", True),
     ("mamba2", "Mamba2RMSNorm", False),
     ("bamba", "BambaRMSNormGated", True),
     ("bamba", "BambaRMSNorm", False),

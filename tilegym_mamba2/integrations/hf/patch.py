@@ -7,27 +7,20 @@ on a loaded model (only that model's mixers are patched).
 
 How the patch works. A Mamba-2 mixer's code calls five kernels by module-level names: a causal
 convolution over the prompt and its one-token update, the chunked scan and its one-token
-update, and a fused training kernel. Transformers has laid this out in two ways (``STRUCTURES``):
+update, and a fused training kernel. Where those names are (structures.py) decides how ours
+are plugged in:
 
-- 5.3: the mixer's ``cuda_kernels_forward`` calls ``causal_conv1d_fn``,
-  ``causal_conv1d_update``, ``selective_state_update``, ``mamba_chunk_scan_combined`` and
-  ``mamba_split_conv1d_scan_combined``, bound to mamba_ssm's and causal_conv1d's functions, or
-  ``None`` when those are missing (then ``forward`` takes ``torch_forward``).
-- 5.17 (5.15 on; 5.24 renames forward's ``cache_params`` to ``cache``): there is one
-  ``forward``; it calls ``causal_conv1d_fn``, ``causal_conv1d_update``,
-  ``mamba2_selective_state_update``, ``mamba2_chunk_scan`` and
-  ``mamba2_split_conv1d_scan_combined``, module functions that run a Hub kernel, mamba_ssm's or
-  causal_conv1d's function when there is one, else transformers' own torch code.
+- transformers 5.25's kernel-function wrappers (kernel_funcs.py): each mixer's own wrappers of
+  the five functions get our ``forward``, as ``kernelize`` gives them a Hub kernel's;
+- 5.3 to 5.24 (no per-mixer hook): a copy of the mixer's method runs with its global names
+  resolving in a private copy of the module's globals, those five bound to our functions (a
+  decorator around ``forward`` is copied around the copy); the modeling module is left alone.
 
-The patch recognises the structure from the class, then runs a copy of that method whose
-global names resolve in a private copy of the module's globals with those five names bound to
-our functions (a decorator around ``forward`` is copied around the copy). Cache handling,
-the prefill/decode decision, padding masks and the gated RMSNorm stay transformers' own code;
-the modeling module itself is left alone.
+Cache handling, the prefill/decode decision, padding masks and the gated RMSNorm stay
+transformers' own code.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -38,13 +31,15 @@ import torch
 
 import tilegym_mamba2
 
+from . import kernel_funcs
 from .decode_graphs import check_graphable, disable_decode_graphs, enable_decode_graphs
 from .norm_patch import (modeling_module, patch_norm_classes, patch_norm_modules, revert_norm_classes,
                          revert_norm_modules)
+from .structures import (_ORIGINAL, MIXERS, STRUCTURES, holds, named_params, structure_of, unpatched_forward,
+                         version_message, warn_if_newer)
 
 logger = logging.getLogger(__name__)
 
-# Our serving functions, and the flag that chooses ours for each.
 PIECES = {
     "causal_conv1d_fn": "conv1d",
     "causal_conv1d_update": "conv1d",
@@ -56,55 +51,6 @@ PIECES = {
 # mixer's other keyword arguments are dropped, as transformers drops those its kernels lack.
 _ACCEPTS = {name: frozenset(inspect.signature(getattr(tilegym_mamba2, name)).parameters) - {"backend"}
             for name in PIECES}
-
-
-@dataclasses.dataclass(frozen=True)
-class Structure:
-    """Where one transformers release's Mamba-2 mixers call their kernels."""
-
-    release: str  # the transformers release it was written against
-    method: str  # the mixer method whose code calls the kernels
-    names: dict  # module-level name that code calls -> our function
-    left_out: tuple = ()  # mixer classes of MIXERS not patched under this structure
-    # The mixer goes on with its own pieces when the fused training call returns None.
-    fused_call_may_decline: bool = False
-
-
-STRUCTURES = (
-    Structure(
-        release="5.3",
-        method="cuda_kernels_forward",
-        names={"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update",
-               "selective_state_update": "selective_state_update",
-               "mamba_chunk_scan_combined": "mamba_chunk_scan_combined",
-               "mamba_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined"},
-        # Its cuda_kernels_forward enters torch.cuda.device, so it cannot be checked on a CPU.
-        left_out=("FalconH1Mixer",),
-    ),
-    Structure(
-        release="5.17",
-        method="forward",
-        names={"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "causal_conv1d_update",
-               "mamba2_selective_state_update": "selective_state_update",
-               "mamba2_chunk_scan": "mamba_chunk_scan_combined",
-               "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined"},
-        fused_call_may_decline=True,
-    ),
-)
-
-# (model type, mixer class) of the transformers models whose mixer this patch runs unchanged,
-# each checked patched-vs-unpatched in tests/integrations/hf/test_hybrids.py (falcon_h1 under 5.17's
-# structure only). Not here: jamba and falcon_mamba (Mamba-1 mixers).
-MIXERS = (
-    ("mamba2", "Mamba2Mixer"),
-    ("bamba", "BambaMixer"),
-    ("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
-    ("nemotron_h", "NemotronHMamba2Mixer"),
-    ("zamba2", "Zamba2MambaMixer"),
-    ("falcon_h1", "FalconH1Mixer"),
-)
-
-_ORIGINAL = "_tilegym_mamba2_original"  # on our forward: the forward it replaced
 
 
 def apply_tilegym_kernel_to_mamba2(
@@ -129,7 +75,8 @@ def apply_tilegym_kernel_to_mamba2(
     installed. Other calls while autograd records (the conv and state-update kernels have no
     backward) keep their own forward; ``generate()`` and ``torch.no_grad()`` /
     ``torch.inference_mode()`` calls use ours.
-    Works with the mixers of transformers 5.3 and 5.17 (``STRUCTURES``).
+    Works with the mixers of transformers 5.3 to 5.25 (structures.py); a newer release gets one
+    warning, then the mixers it recognises are patched and the others refused.
 
     Args:
         conv1d: replace the causal convolution and its update. When False the mixer calls what
@@ -161,6 +108,11 @@ def apply_tilegym_kernel_to_mamba2(
             message names the transformers version).
         ValueError: ``model`` has no Mamba-2 mixer this patch knows.
     """
+    _check_arguments(conv1d=conv1d, ssm=ssm, model=model, use_cutile=use_cutile, cuda_graphs=cuda_graphs,
+                     rms_norm=rms_norm, max_cache_len=max_cache_len)
+    import transformers
+
+    warn_if_newer(transformers.__version__)
     backend = "cutile" if use_cutile else None
     if cuda_graphs and model is None:
         raise ValueError("cuda_graphs: decode graphs belong to one model; pass model=")
@@ -192,6 +144,9 @@ def apply_tilegym_kernel_to_mamba2(
         if cls not in forwards:
             forwards[cls] = _patched_forward(cls, structure, conv1d, ssm, backend)
         module.forward = types.MethodType(forwards[cls], module)
+        hooks = getattr(forwards[cls], "hooks", None)
+        if hooks is not None:
+            kernel_funcs.install(module, hooks)
         patched += 1
     if patched == 0:
         names = ", ".join(name for _, name in MIXERS)
@@ -213,6 +168,8 @@ def revert_tilegym_kernel_to_mamba2(model: torch.nn.Module | None = None) -> Non
             forward = cls.__dict__.get("forward")
             if hasattr(forward, _ORIGINAL):
                 cls.forward = getattr(forward, _ORIGINAL)
+                if hasattr(forward, "hooks"):  # its mixers' wrappers go back to their own at their next call
+                    forward.hooks.active = False
         revert_norm_classes()
         return
     disable_decode_graphs(model)
@@ -221,6 +178,29 @@ def revert_tilegym_kernel_to_mamba2(model: torch.nn.Module | None = None) -> Non
         forward = module.__dict__.get("forward")
         if hasattr(getattr(forward, "__func__", None), _ORIGINAL):
             del module.forward
+        kernel_funcs.uninstall(module)
+
+
+def _check_arguments(*, conv1d, ssm, model, use_cutile, cuda_graphs, rms_norm, max_cache_len) -> None:
+    """Names the argument at fault before anything is patched."""
+    for name, value in (("conv1d", conv1d), ("ssm", ssm), ("use_cutile", use_cutile),
+                        ("cuda_graphs", cuda_graphs), ("rms_norm", rms_norm)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a loaded transformers model) or None, got "
+                        f"{type(model).__name__}")
+    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                      or max_cache_len < 1):
+        raise ValueError(f"max_cache_len must be a positive int (key/value slots per sequence) or None, got "
+                         f"{max_cache_len!r}")
+    if max_cache_len is not None and not cuda_graphs:
+        raise ValueError("max_cache_len: the key/value slots of decode graphs; it needs cuda_graphs=True")
+    if use_cutile and model is not None:
+        devices = {p.device.type for p in model.parameters()}
+        if devices and devices != {"cuda"}:
+            raise ValueError(f"use_cutile: the cuTile kernels take CUDA tensors, and model's parameters are on "
+                             f"{', '.join(sorted(devices))} (move it with model.cuda(), or leave use_cutile False)")
 
 
 def _mixer_classes(import_missing: bool):
@@ -232,90 +212,19 @@ def _mixer_classes(import_missing: bool):
         cls = getattr(module, class_name, None)
         if cls is None:
             if module is not None and model_type == "mamba2":
-                raise RuntimeError(_version_message(f"{module.__name__} has no {class_name}"))
+                raise RuntimeError(version_message(f"{module.__name__} has no {class_name}"))
             continue
-        structure, problem = _structure_of(cls)
+        structure, problem = structure_of(cls)
         if structure is not None and class_name in structure.left_out:
             continue
         yield cls, structure, problem
 
 
-def _unpatched_forward(cls):
-    forward = cls.forward
-    return getattr(forward, _ORIGINAL, forward)
-
-
-def _structure_of(cls):
-    """(the structure ``cls`` is written in, None), or (None, why the patch cannot run it)."""
-    old, new = STRUCTURES
-    kernel_forward = getattr(cls, old.method, None)
-    if isinstance(kernel_forward, types.FunctionType):
-        missing = _not_called(kernel_forward, old)
-        if missing:
-            return None, _version_message(f"{cls.__qualname__}.{old.method} no longer calls {', '.join(missing)}")
-        forward_params = _named_params(_unpatched_forward(cls))
-        kernel_params = _named_params(kernel_forward)
-        if forward_params != kernel_params:
-            return None, _version_message(
-                f"{cls.__qualname__}.forward takes {forward_params} but {old.method} takes {kernel_params}")
-        return old, None
-
-    forward = _unpatched_forward(cls)
-    if not _copyable(forward):
-        return None, _version_message(f"{cls.__qualname__}.forward is wrapped in a way this patch cannot copy")
-    missing = _not_called(inspect.unwrap(forward), new)
-    if len(missing) == len(new.names):
-        return None, _version_message(
-            f"{cls.__qualname__} has no {old.method} method (transformers {old.release}'s structure) and its "
-            f"forward calls none of {', '.join(new.names)} ({new.release}'s)")
-    if missing:
-        return None, _version_message(f"{cls.__qualname__}.forward no longer calls {', '.join(missing)}")
-    return new, None
-
-
-def _not_called(fn, structure) -> list:
-    code = getattr(fn, "__code__", None)
-    names = code.co_names if code is not None else ()
-    return [n for n in structure.names if n not in names]
-
-
-def _copyable(fn) -> bool:
-    """Whether ``_with_globals`` can copy ``fn``: a function, or a wrapper (functools.wraps) that
-    holds the function it wraps in its closure, down to a function that wraps nothing."""
-    while isinstance(fn, types.FunctionType):
-        inner = getattr(fn, "__wrapped__", None)
-        if inner is None:
-            return True
-        if not any(_holds(cell, inner) for cell in fn.__closure__ or ()):
-            return False
-        fn = inner
-    return False
-
-
-def _holds(cell, value) -> bool:
-    try:
-        return cell.cell_contents is value
-    except ValueError:  # an empty cell
-        return False
-
-
-def _named_params(fn):
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
-
-
-def _version_message(what: str) -> str:
-    import transformers
-
-    known = " and ".join(s.release for s in STRUCTURES)
-    return (f"tilegym_mamba2.transformers cannot patch transformers {transformers.__version__}: {what} "
-            f"(it knows the Mamba-2 mixers of transformers {known}; "
-            f"`pip install 'transformers=={STRUCTURES[-1].release}.*'`)")
-
-
 def _patched_forward(cls, structure, conv1d: bool, ssm: bool, backend):
     """A forward for ``cls`` that runs its ``structure.method`` on our functions."""
-    original = _unpatched_forward(cls)
+    if structure.method == "kernel_funcs":
+        return _hooked_forward(cls, structure, conv1d, ssm, backend)
+    original = unpatched_forward(cls)
     source = original if structure.method == "forward" else getattr(cls, structure.method)
     flags = {"conv1d": conv1d, "ssm": ssm}
     kernel_forward = _with_globals(source, _kernel_scope(source, structure, flags, backend))
@@ -325,7 +234,7 @@ def _patched_forward(cls, structure, conv1d: bool, ssm: bool, backend):
     # backend's (PyTorch operations, which autograd follows).
     training_forward = _with_globals(source, _kernel_scope(source, structure, flags, backend, training=True))
     # 5.3: some mixers' forward also takes **kwargs, which cuda_kernels_forward does not.
-    accepted = None if source is original else set(_named_params(kernel_forward))
+    accepted = None if source is original else set(named_params(kernel_forward))
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -345,6 +254,37 @@ def _patched_forward(cls, structure, conv1d: bool, ssm: bool, backend):
     return forward
 
 
+def _hooked_forward(cls, structure, conv1d: bool, ssm: bool, backend):
+    """transformers' own forward, with the mixer's kernel-function wrappers pointed at ours
+    (kernel_funcs.py): at patch time for a model's mixers, at a mixer's first call for a class
+    patch. The first call checks that the forward went through the wrappers, so that a release
+    that stops calling them is refused rather than run on its torch path under our name."""
+    original = unpatched_forward(cls)
+    flags = {"conv1d": conv1d, "ssm": ssm}
+    hooks = kernel_funcs.Hooks(_pieces(structure, flags, backend, training=False),
+                               _pieces(structure, flags, backend, training=True) if ssm else None)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        current = kernel_funcs.installed(self)
+        if current is None:
+            current = kernel_funcs.copied(self) or hooks
+            kernel_funcs.install(self, current)
+        if current.checked:
+            return original(self, *args, **kwargs)
+        before = current.calls
+        out = original(self, *args, **kwargs)
+        if current.calls == before:
+            raise RuntimeError(version_message(f"{type(self).__qualname__}.forward ran none of its kernel "
+                                               f"functions ({', '.join(structure.names)})"))
+        current.checked = True
+        return out
+
+    setattr(forward, _ORIGINAL, original)
+    forward.hooks = hooks
+    return forward
+
+
 def _one_group(mixer) -> bool:
     """One group of B and C: then mamba_ssm's fused training call (ours too) and the mixer's own
     gated norm agree; with several, the fused call normalises per group and most transformers
@@ -361,23 +301,30 @@ def _records_grad(mixer, args, kwargs) -> bool:
 
 
 def _kernel_scope(source, structure, flags: dict, backend, training=False) -> dict:
-    """The globals of ``source``'s module with the structure's kernel names bound to our
-    functions (or, for a piece whose flag is off, to what transformers found); ``training``:
-    differentiable pieces (the scans are; the convolution torch's, the decode pieces the pytorch
-    backend's)."""
+    """The globals of ``source``'s module with the structure's kernel names bound to ``_pieces``."""
     module_globals = inspect.unwrap(source).__globals__
     scope = _module_namespace(module_globals, structure, flags, backend, training)
+    for name, fn in _pieces(structure, flags, backend, training).items():
+        scope[name] = _as_found(name, structure.names[name], module_globals) if fn is None else fn
+    return scope
+
+
+def _pieces(structure, flags: dict, backend, training: bool) -> dict:
+    """The structure's kernel names -> our functions (None for a piece whose flag is off: what
+    transformers found); ``training``: differentiable pieces (the scans are; the convolution
+    torch's, the decode pieces the pytorch backend's)."""
     differentiable = ("mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined")
+    pieces = {}
     for name, ours in structure.names.items():
         if training and ours == "mamba_split_conv1d_scan_combined" and structure.fused_call_may_decline:
-            scope[name] = _declined  # the mixer's own pieces: its own norm, our scan
+            pieces[name] = _declined  # the mixer's own pieces: its own norm, our scan
         elif training and ours == "causal_conv1d_fn" and flags["conv1d"]:
-            scope[name] = _training_conv
+            pieces[name] = _training_conv
         elif flags[PIECES[ours]]:
-            scope[name] = _ours(ours, "pytorch" if training and ours not in differentiable else backend)
+            pieces[name] = _ours(ours, "pytorch" if training and ours not in differentiable else backend)
         else:
-            scope[name] = _as_found(name, ours, module_globals)
-    return scope
+            pieces[name] = None
+    return pieces
 
 
 def _module_namespace(module_globals, structure, flags, backend, training) -> dict:
@@ -395,14 +342,14 @@ def _module_namespace(module_globals, structure, flags, backend, training) -> di
 
 
 def _with_globals(fn, scope: dict):
-    """A copy of ``fn`` whose global names resolve in ``scope``. For a wrapper (``_copyable``),
+    """A copy of ``fn`` whose global names resolve in ``scope``. For a wrapper (structures.copyable),
     the wrapper is copied around a copy of the function it wraps; the wrapper's own globals stay."""
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
         copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     else:
         inner_copy = _with_globals(inner, scope)
-        closure = tuple(types.CellType(inner_copy) if _holds(cell, inner) else cell for cell in fn.__closure__)
+        closure = tuple(types.CellType(inner_copy) if holds(cell, inner) else cell for cell in fn.__closure__)
         copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__dict__.update(fn.__dict__)
