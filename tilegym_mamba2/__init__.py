@@ -10,13 +10,6 @@ import os
 import sys
 import warnings
 
-import torch
-
-from .backends import dispatch
-from .cutile.serving import custom_ops
-from .core.registry import backend_for as _backend, implementation, install
-from .testing import Mamba2ProblemSpec
-
 TILEGYM_OPTIONAL_BACKEND_WARNINGS = ("Triton backend import failed", "TileCpp backend is not available")
 
 __version__ = "0.1.0"
@@ -226,24 +219,58 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
 
 
 def _running_our_command() -> bool:
-    """`python -m tilegym_mamba2 ...` or the tilegym-mamba2 script (this package's own commands)."""
-    argv = getattr(sys, "orig_argv", sys.argv)
-    return argv[1:3] == ["-m", "tilegym_mamba2"] or os.path.basename(sys.argv[0] or "") == "tilegym-mamba2"
+    """`python [options] -m tilegym_mamba2 ...` or the tilegym-mamba2 script (this package's own commands)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if os.path.basename(sys.argv[0] or "") == "tilegym-mamba2":
+        return True
+    k = 1
+    while k < len(argv) and argv[k].startswith("-") and argv[k] != "-m":
+        k += 2 if argv[k] in ("-X", "-W") else 1  # an interpreter option, and its value
+    return argv[k:k + 2] in (["-m", "tilegym_mamba2"], ["-m", "tilegym_mamba2.__main__"])
 
 
-# tilegym warns at import about its optional backends (Triton, TileCpp); our commands use neither,
-# so they stay out of our commands' output. A library user sees them as tilegym emits them.
-with warnings.catch_warnings():
-    if _running_our_command():
-        for message in TILEGYM_OPTIONAL_BACKEND_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    install()
+_loaded = False
 
-# Every backend gives autograd its functions when imported (autograd.provide), which a first call
-# under torch.compile needs. After install(): tilegym's import brings cuda.tile in the order its
-# packaging expects (imported first by our kernels, it was not found in pytest-xdist workers on
-# the GPU machine).
-from .backends import cutile as _cutile, pytorch as _pytorch  # noqa: E402, F401
+
+def load() -> None:
+    """Imports the backends and installs the registry with tilegym: what importing this package
+    does. Only this package's own command line defers it (it parses its arguments first, so that
+    --help and usage errors need none of torch, tilegym, transformers or cuda.tile)."""
+    global _loaded, torch, dispatch, custom_ops, _backend, implementation, Mamba2ProblemSpec
+    if _loaded:
+        return
+    _loaded = True
+    import torch
+    from .backends import dispatch
+    from .core.registry import backend_for as _backend, implementation, install
+    from .cutile.serving import custom_ops  # noqa: F401 (registers the serving custom ops)
+    from .testing import Mamba2ProblemSpec
+
+    # tilegym warns at import about its optional backends (Triton, TileCpp); our commands use
+    # neither, so they stay out of our commands' output. A library user sees them as tilegym emits them.
+    with warnings.catch_warnings():
+        if _running_our_command():
+            for message in TILEGYM_OPTIONAL_BACKEND_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        install()
+
+    # Every backend gives autograd its functions when imported (autograd.provide), which a first
+    # call under torch.compile needs. After install(): tilegym's import brings cuda.tile in the
+    # order its packaging expects (imported first by our kernels, it was not found in
+    # pytest-xdist workers on the GPU machine).
+    from .backends import cutile as _cutile, pytorch as _pytorch  # noqa: F401
+
+
+_DEFERRED = ("dispatch", "custom_ops", "_backend", "implementation", "Mamba2ProblemSpec")
+
+if _running_our_command():
+    def __getattr__(name):
+        if name in _DEFERRED:
+            load()
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+else:
+    load()
 
 __all__ = ["Mamba2ProblemSpec", "mamba2_chunk_backward", "mamba2_chunk_forward", "mamba_chunk_scan_combined",
            "mamba_split_conv1d_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update",

@@ -11,9 +11,8 @@ import re
 import sys
 import time
 
-import torch
-
-from .testing import relative_error
+# Nothing heavy at import: the parser and its checks need none of torch, tilegym, transformers or
+# cuda.tile, so --help and usage errors answer at once; a command imports what it runs.
 
 
 def _positive_int(flag):
@@ -48,6 +47,29 @@ def _positive_seconds(text):
     return value
 
 
+def _writable_file(flag):
+    """An argparse type: a file path whose folder exists and can be written (checked before a
+    command runs for minutes and then loses its results)."""
+    def parse(text):
+        folder = os.path.dirname(os.path.abspath(text))
+        if os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{flag} must name a file, {text!r} is a folder")
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"{flag} names a file in {folder!r}, which does not exist")
+        if not os.access(folder, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{flag} names a file in {folder!r}, which is not writable")
+        return text
+    return parse
+
+
+def _readable_file(flag):
+    def parse(text):
+        if not os.path.isfile(text):
+            raise argparse.ArgumentTypeError(f"{flag} must name an existing file, got {text!r}")
+        return text
+    return parse
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tilegym_mamba2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +78,7 @@ def main(argv=None):
     sub.add_parser("check", help="report the cuTile toolchain and GPU")
     comp = sub.add_parser("compile", help="ahead-of-time compile every kernel (no GPU needed)")
     comp.add_argument("--target", type=_gpu_target, default="sm_90", help="e.g. sm_80, sm_90, sm_100")
-    from .bench.decode import HYBRID_SHAPES
+    from .bench.model_shapes import HYBRID_SHAPES
     bench = sub.add_parser("bench", help="side-by-side benchmark with the installed peers (GPU)")
     bench.add_argument("--grid", action="store_true", help="the larger shape grid, not only the anchor shapes")
     bench.add_argument("--only", nargs="*", help="peers to include (tilegym mamba_ssm fla)")
@@ -64,8 +86,8 @@ def main(argv=None):
                        help="how many shapes to time tilegym's op on (it autotunes 150-250 s per shape)")
     bench.add_argument("--time-budget", type=float, default=None,
                        help="seconds after which tilegym's (slow to tune) op is no longer started")
-    bench.add_argument("--json", default="bench.json")
-    bench.add_argument("--png", help="also plot time against tokens (needs matplotlib)")
+    bench.add_argument("--json", default="bench.json", type=_writable_file("--json"))
+    bench.add_argument("--png", type=_writable_file("--png"), help="also plot time against tokens (needs matplotlib)")
     bench.add_argument("--layer", action="store_true",
                        help="instead: the layer op (mamba_chunk_scan_combined with its options, packed "
                             "batches) against mamba_ssm's")
@@ -90,7 +112,8 @@ def main(argv=None):
     bench.add_argument("--check", action="store_true",
                        help="instead: rerun our rows of docs/performance.md's anchor tables and flag any more "
                             "than 10%% slower than recorded (a regression check before a release)")
-    bench.add_argument("--doc", default=None, help="--check: the performance document (default: the checkout's)")
+    bench.add_argument("--doc", default=None, type=_readable_file("--doc"),
+                       help="--check: the performance document (default: the checkout's)")
     bench.add_argument("--stages", action="store_true",
                        help="instead: time each stage of our op alone, next to the whole call")
     tune = sub.add_parser("tune", help="measure and save the best config for shapes (GPU)")
@@ -105,6 +128,8 @@ def main(argv=None):
     fz.add_argument("--seed", type=int, default=None, help="replay the one case a failure printed")
     args = parser.parse_args(argv)
     command = args.command or "run"
+    import tilegym_mamba2
+    tilegym_mamba2.load()  # what importing the package does elsewhere: the kernels' host side, the registry
     if command in ("run", "bench", "tune", "fuzz"):
         # Each compiles many shapes once: their other token-count classes in the background
         # (cutile/other_token_class.py) would compile each again and contend with the timing.
@@ -127,6 +152,7 @@ def main(argv=None):
 
 
 def check() -> int:
+    import torch
     from .core.toolchain import describe, diagnose
     print(describe(target=None if torch.cuda.is_available() else "sm_90"))
     if torch.cuda.is_available():
@@ -139,6 +165,8 @@ def check() -> int:
 
 def run() -> int:
     """The main job: every check below prints its error against float64; the last line is the verdict."""
+    import torch
+    from .testing import relative_error
     import tilegym_mamba2
     from .testing import Mamba2ProblemSpec, forward_inputs
     torch.manual_seed(0)  # the same inputs on every run
@@ -203,6 +231,8 @@ def verdict(checks, toolchain_status=0, *, compile_failed=False, tolerance=1e-2)
 def layer_example(device) -> float:
     """The layer op as a mixer calls it, on three packed sequences with every option, against
     the float64 definition. On CUDA it runs our kernels, elsewhere the pytorch backend."""
+    import torch
+    from .testing import relative_error
     import tilegym_mamba2
     from .bench.layer import LayerCase, layer_inputs
     from .reference.layer import layer_token_recurrence
@@ -223,6 +253,8 @@ def layer_example(device) -> float:
 def gradient_example(device) -> float:
     """Training: the layer op's gradients (every input, packed sequences, D per channel, z, dt_bias,
     softplus) through autograd, against float64 autograd of its definition."""
+    import torch
+    from .testing import relative_error
     import tilegym_mamba2
     from .bench.layer import LayerCase, layer_inputs
     from .reference.layer import layer_token_recurrence
@@ -276,6 +308,7 @@ def compile_all(target) -> int:
 
 
 def bench_cmd(args) -> int:
+    import torch
     from .bench import forward as bench
     if args.context_parallel:  # runs on the CPU too (a small shape, and says so)
         from .bench.context_parallel import run_context_parallel_bench
@@ -327,6 +360,7 @@ def bench_cmd(args) -> int:
 
 
 def _save_and_print(rows, table, path) -> int:
+    import torch
     with open(path, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
     print(table(rows))
@@ -335,6 +369,7 @@ def _save_and_print(rows, table, path) -> int:
 
 def bench_check(doc) -> int:
     """The anchors' rows rerun beside their recorded figures; 1 when any is flagged."""
+    import torch
     from pathlib import Path
     from .bench.check import default_document, measure_anchors, read_anchors, report
     path = Path(doc) if doc else default_document()
@@ -350,6 +385,10 @@ def bench_check(doc) -> int:
     print(f"{len(anchors)} anchor figures in {path}:")
     for a in anchors:
         print(f"  {a.kind:9s} {a.row:48s} {a.column:15s} {a.recorded_ms:.3f} ms")
+    if not anchors:
+        print(f"{path} holds no anchor figures (tables marked <!-- check: ... -->): nothing to check",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("rerunning them needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
         return 1
@@ -359,6 +398,7 @@ def bench_check(doc) -> int:
 
 
 def tune_cmd(args) -> int:
+    import torch
     from .bench.forward import GRID_SHAPES
     from .core.validation import check_forward_args
     from .cutile.forward import config_for

@@ -65,5 +65,14 @@ def test_on_a_cpu_the_command_lists_the_anchors_and_says_a_gpu_is_needed(capsys)
 
 
 def test_a_missing_document_is_named(tmp_path, capsys):
-    assert main(["bench", "--check", "--doc", str(tmp_path / "nowhere.md")]) == 2
-    assert "nowhere.md" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:          # a usage error, before anything runs
+        main(["bench", "--check", "--doc", str(tmp_path / "nowhere.md")])
+    assert stop.value.code == 2
+    assert "--doc must name an existing file" in capsys.readouterr().err
+
+
+def test_a_document_without_anchors_fails(tmp_path, capsys):
+    garbage = tmp_path / "garbage.md"
+    garbage.write_text("no tables here\n| a | b |\n")
+    assert main(["bench", "--check", "--doc", str(garbage)]) == 2
+    assert "holds no anchor figures" in capsys.readouterr().err
