@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .core.packing import per_sequence_init, seq_idx_from_cu_seqlens
+from .core.packing import SequenceBuckets, packed_sequences, per_sequence_init, seq_idx_from_cu_seqlens
 from .core.quarantine import quarantine_layer
 from .core.tensors import expand_groups, group_sums
 from .core.validation import check_scan_combined_args, scan_combined_args
@@ -216,29 +216,38 @@ def sequence_edge_terms(x, B, C, dy, weight, log_decay, cu_seqlens, seq_idx, sta
 
     No term is a difference: nothing cancels."""
     acc = log_decay.dtype
-    heads, groups = x.shape[2], B.shape[2]
-    per_head_b, per_head_c = expand_groups(B, heads)[0], expand_groups(C, heads)[0]
-    dl = torch.zeros_like(log_decay[0])
-    dxs = torch.zeros(x.shape[1:], dtype=acc, device=x.device)
-    db = torch.zeros(*x.shape[1:3], B.shape[3], dtype=acc, device=x.device)
+    tokens, heads, groups = x.shape[1], x.shape[2], B.shape[2]
+    dl = torch.zeros_like(log_decay)
+    dxs = torch.zeros(x.shape, dtype=acc, device=x.device)
+    db = torch.zeros(*x.shape[:3], B.shape[3], dtype=acc, device=x.device)
     dc = torch.zeros_like(db)
-    # Every sum runs within one sequence (running sums restart at its first token): a NaN or inf
-    # of one sequence never enters another's terms, as a difference of row-long sums would.
-    for s, (p, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
-        g = log_decay[0, p:end].to(torch.float64).cumsum(0)                  # g_t - g_{p-1}
+    if x.device.type == "meta":
+        return EdgeTerms(dl, dxs, group_sums(db, groups, acc), group_sums(dc, groups, acc))
+    # Every sum runs within one sequence (each is a row of its own in a bucket: running sums start
+    # at its first token): a NaN or inf of one sequence never enters another's terms, as a
+    # difference of row-long sums would. One pass per bucket of lengths, not per sequence.
+    rows, firsts, lengths, _ = packed_sequences(None, cu_seqlens, 1, tokens)
+    buckets = SequenceBuckets(rows, firsts, lengths, tokens, x.device)
+    per_head_b, per_head_c = expand_groups(B, heads), expand_groups(C, heads)
+    for bucket in buckets.buckets:
+        members = bucket[0]
+        gx, gdy, gb, gc = (buckets.gather(t, bucket).to(acc) for t in (x, dy, per_head_b, per_head_c))
+        w = buckets.gather(weight, bucket).to(acc)
+        g = buckets.gather(log_decay, bucket).to(torch.float64).cumsum(1)  # g_t - g_{p-1}; flat past the end
         into = torch.exp(g).to(acc)                                          # exp(g_t - g_{p-1})
-        out_of = torch.exp(g[-1] - g).to(acc)                                # exp(g_e - g_t)
-        start, grad = starts[s].to(acc), ends[s].to(acc)
-        dxs[p:end] = out_of[..., None] * torch.einsum("hpn,thn->thp", grad, per_head_b[p:end].to(acc))
-        db[p:end] = (weight[0, p:end] * out_of)[..., None] * torch.einsum("hpn,thp->thn", grad, x[0, p:end].to(acc))
-        dc[p:end] = into[..., None] * torch.einsum("hpn,thp->thn", start, dy[0, p:end].to(acc))
-        received = into * (dy[0, p:end].to(acc) * torch.einsum("hpn,thn->thp", start, per_head_c[p:end].to(acc))).sum(-1)
-        sent = (weight[0, p:end] * (x[0, p:end].to(acc) * dxs[p:end]).sum(-1)).to(torch.float64)
-        suffix = received.to(torch.float64).flip(0).cumsum(0).flip(0)        # over t >= u
-        before = torch.cat([sent.new_zeros(1, heads), sent.cumsum(0)[:-1]])  # over t < u
-        constant = torch.exp(g[-1]).to(acc) * (grad * start).sum((-1, -2))
-        dl[p:end] = (suffix + before).to(acc) + constant
-    return EdgeTerms(dl[None], dxs[None], group_sums(db[None], groups, acc), group_sums(dc[None], groups, acc))
+        out_of = torch.exp(g[:, -1:] - g).to(acc)                            # exp(g_e - g_t)
+        start, grad = starts[members].to(acc), ends[members].to(acc)
+        part_dxs = out_of[..., None] * torch.einsum("rhpn,rthn->rthp", grad, gb)
+        buckets.scatter(dxs, bucket, part_dxs)
+        buckets.scatter(db, bucket, (w * out_of)[..., None] * torch.einsum("rhpn,rthp->rthn", grad, gx))
+        buckets.scatter(dc, bucket, into[..., None] * torch.einsum("rhpn,rthp->rthn", start, gdy))
+        received = into * (gdy * torch.einsum("rhpn,rthn->rthp", start, gc)).sum(-1)
+        sent = (w * (gx * part_dxs).sum(-1)).to(torch.float64)
+        suffix = received.to(torch.float64).flip(1).cumsum(1).flip(1)       # over t >= u
+        before = torch.cat([torch.zeros_like(sent[:, :1]), sent.cumsum(1)[:, :-1]], 1)  # over t < u
+        constant = torch.exp(g[:, -1]).to(acc) * (grad * start).sum((-1, -2))
+        buckets.scatter(dl, bucket, (suffix + before).to(acc) + constant[:, None])
+    return EdgeTerms(dl, dxs, group_sums(db, groups, acc), group_sums(dc, groups, acc))
 
 
 def _reverse(t, pad):

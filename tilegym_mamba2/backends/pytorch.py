@@ -85,7 +85,8 @@ def _layer_reference(call, keep_ungated):
     dtype = compute_dtype(x)
     dt = process_dt(dt, args.dt_bias, args.dt_softplus, args.dt_limit, dtype=dtype)
     out, final_states, varlen = scan_reference(x, B, C, dt, A.to(dtype) * dt, initial_states, seq_idx, cu_seqlens,
-                                               chunk_size=chunk_size, dtype=dtype)
+                                               chunk_size=chunk_size, dtype=dtype,
+                                               varlen_states=args.return_varlen_states)
     if D is not None:
         out = out + (D[:, None] if D.ndim == 1 else D) * x.to(dtype)
     ungated = None
@@ -94,7 +95,7 @@ def _layer_reference(call, keep_ungated):
     if z is not None:
         out = out * F.silu(z.to(dtype))
     # mamba_ssm returns the per-sequence states in C's dtype (the final states in fp32).
-    varlen_states = varlen.to(C.dtype) if cu_seqlens is not None else None
+    varlen_states = varlen.to(C.dtype) if varlen is not None else None
     return scan_returns(out.to(x.dtype), final_states, varlen_states, args.return_final_states,
                         args.return_varlen_states), ungated
 

@@ -343,8 +343,8 @@ def _check_packing(cu_seqlens, seq_idx, batch, tokens, device) -> int | None:
             flags["agree"] = (seq_idx == seq_idx_from_cu_seqlens(cu_seqlens, tokens)).all()
         elif tokens > 1:
             flags["sorted"] = (seq_idx[:, 1:] >= seq_idx[:, :-1]).all()
-    if not flags:
-        return None
+    if not flags or _values_unreadable(cu_seqlens, seq_idx):
+        return None if cu_seqlens is None else cu_seqlens.numel() - 1
     ok = dict(zip(flags, torch.stack(list(flags.values())).tolist()))
     if not ok.get("cu_seqlens", True):
         offsets = cu_seqlens.tolist()
@@ -356,6 +356,15 @@ def _check_packing(cu_seqlens, seq_idx, batch, tokens, device) -> int | None:
     if not ok.get("sorted", True):
         raise ValueError("seq_idx must be sorted along tokens (each sequence one contiguous run of tokens)")
     return None if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+def _values_unreadable(*tensors) -> bool:
+    """Meta tensors, and the fake tensors torch.compile traces with, have shapes but no values: their
+    offsets are checked where the call runs on real tensors."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+    return any(t is not None and (t.device.type == "meta" or is_fake(t)) for t in tensors)
 
 
 class BackwardArgs(NamedTuple):

@@ -168,7 +168,7 @@ def chunk_output_reference(
     """Outputs from the entering states plus the causal in-chunk mixing.
 
     x [B, T, H, P], b and c [B, T, G, N], d [H], dt [B, T, H],
-    decay_cumsum [B, H, K * L], chunk_states [B, H, K, P, N] -> out [B, T, H, P].
+    decay_cumsum [B, H, K * L], chunk_states [B, H, K, P, N] (None: zeros) -> out [B, T, H, P].
 
     y_t = exp2(g_t) S_k c_t + sum_{s <= t in chunk} exp2(g_t - g_s) (c_t . b_s) dt_s x_s + d x_t
     """
@@ -179,8 +179,9 @@ def chunk_output_reference(
     dtc = chunked(dt, chunk_size, dtype)  # [B, K, L, H]
     g = chunked_decay(decay_cumsum, chunk_size, dtype)  # [B, K, L, H]
 
-    inter = torch.einsum("bklhn,bhkpn->bklhp", cc, chunk_states.to(dtype))
-    inter = torch.exp2(g)[..., None] * inter
+    inter = 0.0
+    if chunk_states is not None:
+        inter = torch.exp2(g)[..., None] * torch.einsum("bklhn,bhkpn->bklhp", cc, chunk_states.to(dtype))
 
     # Mask before exp2: for s > t the exponent is positive and could overflow
     # to inf, and inf * 0 would poison the sum with NaN.
@@ -190,7 +191,7 @@ def chunk_output_reference(
     scores = torch.einsum("bkthn,bkshn->bkhts", cc, bc) * decay * dtc.permute(0, 1, 3, 2)[..., None, :]
     intra = torch.einsum("bkhts,bkshp->bkthp", scores, xc)
 
-    out = (inter + intra).reshape(batch, -1, heads, head_size)[:, :tokens]
+    out = (intra + inter).reshape(batch, -1, heads, head_size)[:, :tokens]
     return out + d.to(dtype)[:, None] * x.to(dtype)
 
 
