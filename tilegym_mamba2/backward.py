@@ -38,7 +38,7 @@ import torch
 
 from .core.packing import SequenceBuckets, packed_sequences, per_sequence_init, seq_idx_from_cu_seqlens
 from .core.quarantine import quarantine_layer
-from .core.tensors import expand_groups, group_sums
+from .core.tensors import expand_groups, group_sums, log_decay as decay_log
 from .core.validation import check_scan_combined_args, scan_combined_args
 from .reference.layer import gate_dy_reference, gate_dz_reference, process_dt, process_dt_slope
 
@@ -112,7 +112,7 @@ def scan_backward(kernels, x, A, B, C, dt, dy, skip=None, *, initial_states=None
     acc = torch.promote_types(x.dtype, torch.float32)
     scan = kernels.scan
     dt = dt.to(acc)
-    log_decay = A.to(acc) * dt
+    log_decay = decay_log(A.to(acc), dt)
     own_inits = per_sequence_init(initial_states, cu_seqlens, batch)
     row_init_as_sequences = no_init = False
     if cu_seqlens is not None and cu_seqlens.numel() - 1 != batch and (

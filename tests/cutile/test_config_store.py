@@ -49,6 +49,36 @@ def test_entries_with_bad_values_are_ignored(tmp_path, bad):
     assert tuned_config(key(4096), BASE, never_timed, tune=False, cache=cache) == BASE
 
 
+@pytest.mark.parametrize("field,bad", [("out_occupancy", 7), ("out_occupancy", 0), ("out_load_latency", 11),
+                                       ("out_load_latency", 1e30), ("out_load_latency", 10 ** 30),
+                                       ("state_tile", 48), ("out_head_tile", 512), ("chunk_size", 100)])
+def test_entries_outside_the_documented_ranges_are_ignored(tmp_path, field, bad):
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({key(4096): dict(asdict(BASE), **{field: bad})}))
+    assert ConfigCache(str(path)).get(key(4096)) is None
+
+
+@pytest.mark.parametrize("where", ["configs.json", "configs.json.lock"])
+def test_a_fifo_in_the_caches_place_never_blocks(tmp_path, capsys, where):
+    """A FIFO with no writer blocks an open for reading forever (and one with no reader an open for
+    writing): the cache reads nothing from it, and a write that finds one at the lock fails at once."""
+    path = tmp_path / "configs.json"
+    os.mkfifo(tmp_path / where)
+    done = []
+
+    def use():
+        cache = ConfigCache(str(path))
+        done.append(cache.get(key(4096)))
+        cache.put(key(4096), BASE)          # warns and goes on where it cannot save
+        done.append("put")
+
+    worker = threading.Thread(target=use, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), f"the tuning cache's use of a FIFO at {where} blocked (its thread still waits)"
+    assert done == [None, "put"]
+
+
 def _write_many(path, prefix, count):
     for i in range(count):
         ConfigCache(path).put(f"{prefix}-{i}", replace(BASE, chunks_per_segment=i + 1))

@@ -15,7 +15,7 @@ from ..backward import Kernels, chunk_backward, input_grad, scan_combined_backwa
 from ..core.packing import scan_returns
 from ..core.serving_validation import (check_conv_args, check_conv_update_args, check_rms_norm_args,
                                        check_state_update_args)
-from ..core.tensors import compute_dtype
+from ..core.tensors import compute_dtype, log_decay
 from ..core.validation import NO_LIMIT, check_backward_args, check_forward_args, check_scan_combined_args
 from ..reference.layer import process_dt
 from ..reference.scan import chunk_grads_reference, scan_reference
@@ -84,8 +84,8 @@ def _layer_reference(call, keep_ungated):
     initial_states, seq_idx, cu_seqlens = args.initial_states, args.seq_idx, args.cu_seqlens
     dtype = compute_dtype(x)
     dt = process_dt(dt, args.dt_bias, args.dt_softplus, args.dt_limit, dtype=dtype)
-    out, final_states, varlen = scan_reference(x, B, C, dt, A.to(dtype) * dt, initial_states, seq_idx, cu_seqlens,
-                                               chunk_size=chunk_size, dtype=dtype,
+    out, final_states, varlen = scan_reference(x, B, C, dt, log_decay(A.to(dtype), dt), initial_states, seq_idx,
+                                               cu_seqlens, chunk_size=chunk_size, dtype=dtype,
                                                varlen_states=args.return_varlen_states)
     if D is not None:
         out = out + (D[:, None] if D.ndim == 1 else D) * x.to(dtype)

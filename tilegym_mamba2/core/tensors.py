@@ -6,6 +6,18 @@ import torch
 
 # Decay sums are kept in base 2 (kernels take exp2, a single instruction): exp(v) = exp2(v * LOG2E).
 LOG2E = math.log2(math.e)
+# The log decay a * dt is kept at or above this: exp(-1000) is 0 in fp32 and float64 alike, so the
+# decay past it is the total one the recurrence gives, and a = -inf (or an a * dt past fp32's
+# range) no longer makes the chunked sums' differences inf - inf = NaN.
+LOG_DECAY_FLOOR = -1000.0
+
+
+def log_decay(a: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """a * dt with the recurrence's limits: 0 where dt = 0 (no time passes, whatever a; -inf * 0
+    would be NaN) and at least LOG_DECAY_FLOOR (exp of it is 0). A NaN stays NaN."""
+    product = torch.where(dt == 0, torch.zeros((), dtype=dt.dtype, device=dt.device), a * dt)
+    return torch.where(product < LOG_DECAY_FLOOR, torch.full((), LOG_DECAY_FLOOR, dtype=product.dtype,
+                                                             device=product.device), product)
 
 
 def pow2_at_least(n: int) -> int:

@@ -13,7 +13,7 @@ import math
 import cuda.tile as ct
 import torch
 
-from ..core.tensors import LOG2E
+from ..core.tensors import LOG2E, LOG_DECAY_FLOOR
 from .launch import launch, new_output
 
 SOFTPLUS_THRESHOLD = 20.0  # above it softplus(x) == x in fp32; mamba_ssm passes such values through
@@ -41,7 +41,10 @@ def chunk_cumsum_kernel(dt, a, dt_bias, dt_bht, decay_cumsum,
         if clamp:
             dt_tile = ct.minimum(ct.maximum(dt_tile, dt_low), dt_high)
         dt_tile = ct.where(real, dt_tile, 0.0)
-    cumsum = ct.cumsum(dt_tile * a_tile[None, :], axis=0) * LOG2E
+    # core.tensors.log_decay's limits: no decay where dt = 0 (whatever a), none past the floor.
+    decay = ct.where(dt_tile == 0.0, 0.0, dt_tile * a_tile[None, :])
+    decay = ct.where(decay < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, decay)
+    cumsum = ct.cumsum(decay, axis=0) * LOG2E
     ct.store(dt_bht, (batch, head_tile, chunk),
              ct.transpose(dt_tile).reshape((1, heads_tile, chunk_size)))
     ct.store(decay_cumsum, (batch, head_tile, chunk),

@@ -14,6 +14,7 @@ import contextlib
 import glob
 import json
 import os
+import stat
 import sys
 import threading
 import uuid
@@ -34,7 +35,19 @@ def _warn_once(path: str, message: str) -> None:
 
 
 def read_entries(path: str) -> dict:
-    """{key: entry dict} of the file; {} when it is missing or unreadable (warned once)."""
+    """{key: entry dict} of the file; {} when it is missing or unreadable (warned once). A path that
+    is not a regular file (a FIFO, a device, a folder) is never opened for reading: a FIFO with no
+    writer would block the read forever."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        _warn_once(path, f"ignoring unreadable tuning cache {path}: {type(e).__name__}: {e}")
+        return {}
+    if not stat.S_ISREG(mode):
+        _warn_once(path, f"ignoring tuning cache {path}: not a regular file")
+        return {}
     try:
         with open(path) as f:
             data = json.load(f)
@@ -58,7 +71,13 @@ def _locked(path: str):
         if fcntl is None:
             yield
             return
-        with open(path + ".lock", "a") as lock:
+        # O_NONBLOCK: a FIFO standing where the lock file goes fails here (ENXIO) instead of
+        # blocking the open until some reader comes.
+        fd = os.open(path + ".lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"{path}.lock is not a regular file")
+        with os.fdopen(fd, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield

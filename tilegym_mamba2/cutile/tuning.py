@@ -210,7 +210,12 @@ def config_from_entry(fields) -> Config | None:
         return None
     if not all(isinstance(v, bool) for v in (config.group_scores, config.chained)):
         return None
-    if min(ints[:5]) < 1 or config.chunks_per_segment > 1 << 16 or config.out_load_latency < 0:
+    if min(ints[:5]) < 1 or config.chunks_per_segment > 1 << 16:
+        return None
+    tiles = (config.chunk_size, config.state_head_tile, config.state_tile, config.out_head_tile)
+    if any(t & (t - 1) or t > 256 for t in tiles):  # cuTile's tiles are powers of two
+        return None
+    if not 0 <= config.out_load_latency <= 10 or config.out_occupancy not in (1, 2):  # their documented ranges
         return None
     return config
 

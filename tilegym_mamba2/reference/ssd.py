@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core.tensors import LOG2E, expand_groups
+from ..core.tensors import LOG2E, expand_groups, log_decay
 
 __all__ = [
     "LOG2E",
@@ -100,13 +100,13 @@ def decay_cumsum_reference(
     chunk_size: int,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Per-chunk inclusive cumsum of ``a * dt``, scaled by LOG2E.
+    """Per-chunk inclusive cumsum of ``a * dt`` (core.tensors.log_decay's limits), scaled by LOG2E.
 
     a [H], dt [B, T, H] -> [B, H, K * L]. Padded tokens have dt = 0, so the
     cumsum stays flat after the last real token.
     """
     dtc = chunked(dt, chunk_size, dtype)  # [B, K, L, H]
-    g = (a.to(dtype) * dtc).cumsum(dim=2) * LOG2E
+    g = log_decay(a.to(dtype), dtc).cumsum(dim=2) * LOG2E
     batch, num_chunks, _, heads = g.shape
     return g.permute(0, 3, 1, 2).reshape(batch, heads, num_chunks * chunk_size)
 
