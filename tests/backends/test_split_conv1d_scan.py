@@ -228,3 +228,22 @@ def test_cutile_backend_matches_float64_on_the_gpu(name):
     refs = torch.autograd.grad(sum((w * c).sum() for w, c in zip(want, cotangents)), [ref[k] for k in leaves])
     for key, g, r in zip(leaves, grads, refs):
         assert rel_err(g, r) < 3e-2, f"{name} seed={seed}: d{key} {rel_err(g, r):.2e}"
+
+
+def test_a_device_mismatch_and_a_disagreeing_headdim_name_the_callers_arguments():
+    heads, head_size, state = 4, 8, 16
+    dim = heads * head_size
+    zxbcdt = torch.empty(1, 10, 2 * dim + 2 * state + heads, device="meta")
+    weight = torch.randn(dim + 2 * state, 4)
+    with pytest.raises(ValueError, match=r"all tensors must be on zxbcdt's device \(meta\), got conv1d_weight on cpu"):
+        tilegym_mamba2.mamba_split_conv1d_scan_combined(zxbcdt, weight, None, torch.randn(heads), -torch.rand(heads),
+                                                        torch.randn(heads), 16, headdim=head_size)
+    meta = dict(device="meta")
+    out = tilegym_mamba2.mamba_split_conv1d_scan_combined(
+        zxbcdt, weight.to(**meta), None, torch.empty(heads, **meta), torch.empty(heads, **meta),
+        torch.empty(heads, **meta), 16, headdim=head_size)
+    assert out.shape == (1, 10, dim) and out.device.type == "meta"
+    with pytest.raises(ValueError, match=r"headdim \(8\) disagrees with D's \[nheads, headdim\] shape \(4, 9\)"):
+        tilegym_mamba2.mamba_split_conv1d_scan_combined(
+            zxbcdt, weight.to(**meta), None, torch.empty(heads, **meta), torch.empty(heads, **meta),
+            torch.empty(heads, head_size + 1, **meta), 16, headdim=head_size)

@@ -360,3 +360,22 @@ def test_packing_on_another_device_is_named_before_its_values_are_read(name):
     with pytest.raises(ValueError, match=rf"^all tensors must be on one device, got x on cpu, {name} on meta"):
         tilegym_mamba2.mamba_chunk_scan_combined(x, dt, -torch.ones(2), B, B, 16, backend="pytorch",
                                                  **{name: packing})
+
+
+def test_integer_likes_as_chunk_size_are_told_to_be_python_ints():
+    import numpy as np
+    x = torch.randn(1, 20, 2, 4)
+    args = dict(x=x, a=-torch.ones(2), b=torch.randn(1, 20, 1, 8), c=torch.randn(1, 20, 1, 8), d=torch.ones(2),
+                dt=torch.rand(1, 20, 2))
+    for value, kind in ((np.int64(64), "numpy.int64"), (torch.tensor(64), "torch.Tensor")):
+        with pytest.raises(ValueError, match=rf"chunk_size must be one of .* a Python int, got .* \(a {kind}: "
+                                             rf"pass int\(chunk_size\)\)"):
+            tilegym_mamba2.mamba2_chunk_forward(**args, chunk_size=value, backend="pytorch")
+
+
+def test_cpu_tensors_through_tilegyms_dispatcher_under_an_unknown_backend_say_why_cutile_ran():
+    tilegym = pytest.importorskip("tilegym")
+    x = torch.randn(1, 20, 2, 4)
+    with pytest.raises(ValueError, match="a backend it has no implementation of, a misspelt name included"):
+        tilegym.ops.mamba2_chunk_forward(x, -torch.ones(2), torch.randn(1, 20, 1, 8), torch.randn(1, 20, 1, 8),
+                                         torch.ones(2), torch.rand(1, 20, 2), None, 64, backend="bogus")

@@ -295,3 +295,10 @@ def test_dhiddens_are_the_gradients_of_the_states_leaving_each_chunk():
         (expected,) = torch.autograd.grad(loss, entry)
         assert rel_err(dh[:, :, k], expected) < 1e-10, k
     assert rel_err(inputs["dinit_state"], _recurrence_gradients(inputs)["init_state"]) < 1e-10
+
+
+def test_a_chunk_size_that_is_no_power_of_two_and_a_short_shape_are_named():
+    with pytest.raises(ValueError, match=r"chunk_size must be a power of two .* got 100"):
+        small_spec(chunk_size=100)
+    with pytest.raises(ValueError, match=r"shape must be six sizes .* got \(1, 2, 3\)"):
+        Mamba2ProblemSpec.from_shape((1, 2, 3))

@@ -145,6 +145,13 @@ def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
     if not zxbcdt.is_floating_point():  # else the convolution's check would name its input x
         raise TypeError(f"zxbcdt must be a floating-point tensor (bfloat16, float16, float32 or float64), "
                         f"got {zxbcdt.dtype}")
+    # One device, checked here under the caller's names (the scan would name the slices of zxbcdt).
+    elsewhere = [f"{name} on {t.device}" for name, t in (
+        ("conv1d_weight", conv1d_weight), ("conv1d_bias", conv1d_bias), ("dt_bias", dt_bias), ("A", A), ("D", D),
+        ("rmsnorm_weight", rmsnorm_weight), ("outproj_weight", outproj_weight),
+        ("outproj_bias", outproj_bias)) if t is not None and t.device != zxbcdt.device]
+    if elsewhere:
+        raise ValueError(f"all tensors must be on zxbcdt's device ({zxbcdt.device}), got {', '.join(elsewhere)}")
     for name, t in (("zxbcdt", zxbcdt), ("conv1d_weight", conv1d_weight), ("dt_bias", dt_bias), ("A", A), ("D", D),
                     ("conv1d_bias", conv1d_bias), ("rmsnorm_weight", rmsnorm_weight),
                     ("outproj_weight", outproj_weight), ("outproj_bias", outproj_bias)):
@@ -164,6 +171,8 @@ def check_mixer_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, headdim,
     if D.ndim == 1:
         if not isinstance(headdim, int) or headdim < 1:
             raise ValueError(f"headdim must be a positive int when D is [nheads], got {headdim!r}")
+    elif headdim is not None and headdim != D.shape[1]:
+        raise ValueError(f"headdim ({headdim}) disagrees with D's [nheads, headdim] shape {tuple(D.shape)}")
     else:
         headdim = D.shape[1]
     if not isinstance(ngroups, int) or ngroups < 1 or nheads % ngroups:

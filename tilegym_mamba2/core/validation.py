@@ -128,7 +128,12 @@ def _expect_x_layout(nx, x, nb, b, ndt, dt):
 
 
 def _check_chunk_size(chunk_size):
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        kind = type(chunk_size).__module__ + "." + type(chunk_size).__qualname__
+        hint = ": pass int(chunk_size)" if hasattr(chunk_size, "__index__") and not isinstance(chunk_size, bool) else ""
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, a Python int, got {chunk_size!r} "
+                         f"(a {kind}{hint})")
+    if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
 
 
@@ -160,7 +165,8 @@ def _check_cutile_limits(device: torch.device, head_size: int, state_size: int, 
 def check_cutile_device(device: torch.device):
     """Every cutile op's device rule: CUDA, compute capability 8.0 or newer."""
     if device.type != "cuda":
-        raise ValueError(f"the cutile backend needs CUDA tensors, got tensors on {device}; "
+        raise ValueError(f"the cutile backend needs CUDA tensors, got tensors on {device} (tilegym.ops runs "
+                         f"cutile for a backend it has no implementation of, a misspelt name included); "
                          "move them with .cuda() or call with backend=\"pytorch\"")
     major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if major < 8:

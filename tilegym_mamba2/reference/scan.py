@@ -43,6 +43,9 @@ def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqle
     batch, tokens, heads, head_size = x.shape
     y = torch.zeros(batch, tokens, heads, head_size, dtype=dtype, device=x.device)
     final_states = torch.zeros(batch, heads, head_size, b.shape[3], dtype=dtype, device=x.device)
+    if x.device.type == "meta":  # shapes only: no values (nor offsets) to read
+        varlen = None if cu_seqlens is None else final_states.new_empty(cu_seqlens.shape[0] - 1, *final_states.shape[1:])
+        return y, final_states, varlen
     if seq_idx is None and cu_seqlens is None:
         for row, start, end, start_state in sequences(None, None, init, batch, tokens):
             part = slice(row, row + 1), slice(start, end)
@@ -50,9 +53,6 @@ def scan_reference(x, b, c, weight, log_decay, init=None, seq_idx=None, cu_seqle
                 x[part], b[part], c[part], weight[part], log_decay[part], start_state, chunk_size, dtype,
                 torch.ones(1, dtype=torch.bool, device=x.device))
         return y, final_states, None
-    if x.device.type == "meta":  # shapes only: no offsets to read
-        varlen = None if cu_seqlens is None else final_states.new_empty(cu_seqlens.shape[0] - 1, *final_states.shape[1:])
-        return y, final_states, varlen
     rows, starts, lengths, ids = packed_sequences(seq_idx, cu_seqlens, batch, tokens)
     buckets = SequenceBuckets(rows, starts, lengths, tokens, x.device)
     starting = _starting_states(init, cu_seqlens, batch, rows, starts, ids, dtype)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .errors import relative_error
 from ..core.tensors import expand_groups
+from ..core.validation import CHUNK_SIZES
 from ..reference.ssd import (
     LOG2E,
     chunk_output_reference,
@@ -75,6 +76,8 @@ class Mamba2ProblemSpec:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_groups ({self.num_groups})"
             )
+        if self.chunk_size & (self.chunk_size - 1):  # TileGym's kernels and ours tile by powers of two
+            raise ValueError(f"chunk_size must be a power of two (the op takes {CHUNK_SIZES}), got {self.chunk_size!r}")
         for name in ("dtype", "state_dtype"):
             value = getattr(self, name)
             if not isinstance(value, torch.dtype) or not value.is_floating_point:
@@ -97,6 +100,9 @@ class Mamba2ProblemSpec:
     @classmethod
     def from_shape(cls, shape, **fields) -> "Mamba2ProblemSpec":
         """From (batch, tokens, groups, heads, state_size, head_size), the benchmarks' order."""
+        if len(tuple(shape)) != 6:
+            raise ValueError(f"shape must be six sizes (batch, tokens, groups, heads, state_size, head_size), got "
+                             f"{tuple(shape)!r}")
         batch, tokens, groups, heads, state_size, head_size = shape
         return cls(batch_size=batch, num_tokens=tokens, num_groups=groups, num_heads=heads,
                    state_size=state_size, head_size=head_size, **fields)
