@@ -13,9 +13,9 @@ from tilegym_mamba2.testing import fuzz as fuzzing
 
 def test_a_few_seconds_of_every_kind_pass():
     lines = []
-    assert fuzzing.fuzz(cases=60, log=lines.append) == 0
-    counts = dict(re.findall(r"(layer|serving|malformed|isolation) (\d+)", lines[-1]))
-    assert set(counts) == {"layer", "serving", "malformed", "isolation"}, lines[-1]
+    assert fuzzing.fuzz(cases=120, log=lines.append) == 0
+    counts = dict(re.findall(r"(layer|serving|malformed|isolation|many_sequences|extreme_decay) (\d+)", lines[-1]))
+    assert set(counts) == set(fuzzing.CHECKS), lines[-1]
     assert min(map(int, counts.values())) > 0, lines[-1]
 
 
@@ -41,7 +41,7 @@ def test_a_crash_or_a_write_before_an_error_is_found(monkeypatch):
         return real(state, *args, **kwargs)
     monkeypatch.setattr(tilegym_mamba2, "selective_state_update", writes_then_checks)
     lines = []
-    fuzzing.fuzz(cases=120, log=lines.append)
+    fuzzing.fuzz(cases=240, log=lines.append)
     assert any("malformed" in line and "before raising" in line for line in lines), lines[-3:]
 
 

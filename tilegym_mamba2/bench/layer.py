@@ -29,6 +29,7 @@ class LayerCase:
     state_size: int
     head_size: int
     sequences: int = 1    # > 1: that many random-length sequences packed in batch 1
+    own_initial_states: bool = False  # each packed sequence starts from an initial state of its own
 
 
 LAYER_CASES = [
@@ -37,6 +38,15 @@ LAYER_CASES = [
     LayerCase("64 packed sequences in 65536 tokens (32 heads)", 1, 65536, 1, 32, 128, 64, sequences=64),
     LayerCase("8 packed sequences in 4096 tokens (32 heads)", 1, 4096, 1, 32, 128, 64, sequences=8),
 ]
+# The cost of packing: 4096 one-token sequences against one sequence of the same 4096 tokens
+# (their ratio is what packing costs, the same tokens either way).
+PACKED_COST_CASES = [
+    LayerCase("one 4096-token sequence (32 heads)", 1, 4096, 1, 32, 128, 64),
+    LayerCase("4096 one-token sequences (32 heads)", 1, 4096, 1, 32, 128, 64, sequences=4096),
+    LayerCase("4096 one-token sequences, own initial states", 1, 4096, 1, 32, 128, 64, sequences=4096,
+              own_initial_states=True),
+]
+LAYER_CASES += PACKED_COST_CASES
 
 
 def layer_inputs(case: LayerCase, device="cuda", dtype=torch.bfloat16, seed=0):
@@ -62,6 +72,8 @@ def layer_inputs(case: LayerCase, device="cuda", dtype=torch.bfloat16, seed=0):
         seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32),
                                           torch.tensor(lengths, device=device))[None]
         args.update(cu_seqlens=cu_seqlens, seq_idx=seq_idx, return_varlen_states=True)
+        if case.own_initial_states:
+            args["initial_states"] = randn(len(lengths), heads, case.head_size, case.state_size, dt=torch.float32)
     return args, lengths
 
 
@@ -132,7 +144,11 @@ def run_layer_bench(cases=LAYER_CASES, chunk_size=256, peers=True, log=print, tr
             args = training_args(args)
         for name, fn in impls.items():
             start = time.perf_counter()
-            out = fn(args, chunk_size)
+            try:
+                out = fn(args, chunk_size)
+            except Exception as e:  # a peer without this option (per-sequence initial states, say)
+                log(f"{case.name:32s} {name:10s} skipped: {type(e).__name__}: {str(e)[:120]}")
+                continue
             torch.cuda.synchronize()
             first = time.perf_counter() - start
             got = out[:1].double()
@@ -153,7 +169,8 @@ def _reference(args, chunk_size):
                  else v) for k, v in args.items()}
     dt = process_dt(first["dt"], first["dt_bias"], True, dtype=torch.float64)
     out, _, _ = chunked_layer_reference(first["x"], dt, first["A"], first["B"], first["C"], D=first["D"],
-                                        z=first["z"], seq_idx=first.get("seq_idx"),
+                                        z=first["z"], initial_states=first.get("initial_states"),
+                                        seq_idx=first.get("seq_idx"),
                                         cu_seqlens=first.get("cu_seqlens"), chunk_size=64)
     return out
 
