@@ -39,7 +39,10 @@ def chunk_cumsum_kernel(dt, a, dt_bias, dt_bht, decay_cumsum,
         if softplus:
             dt_tile = ct.where(dt_tile > SOFTPLUS_THRESHOLD, dt_tile, _log1p(ct.exp(dt_tile)))
         if clamp:
-            dt_tile = ct.minimum(ct.maximum(dt_tile, dt_low), dt_high)
+            # Selects, not minimum/maximum: those return the number where dt is NaN, which must
+            # stay NaN (a NaN dt gives NaN outputs, as on the pytorch backend).
+            dt_tile = ct.where(dt_tile < dt_low, dt_low, dt_tile)
+            dt_tile = ct.where(dt_tile > dt_high, dt_high, dt_tile)
         dt_tile = ct.where(real, dt_tile, 0.0)
     # core.tensors.log_decay's limits: no decay where dt = 0 (whatever a), none past the floor.
     decay = ct.where(dt_tile == 0.0, 0.0, dt_tile * a_tile[None, :])
