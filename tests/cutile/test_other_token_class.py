@@ -216,10 +216,13 @@ def _plain_replays(tokens):
             lambda args: chunk_backward(KERNELS, *args[:-1]))
 
 
-@pytest.mark.parametrize("with_z, packed", [(True, False), (False, False), (True, True), (False, True)])
-def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launches(with_z, packed):
+@pytest.mark.parametrize("with_z, packed, varlen", [(True, False, False), (False, False, False), (True, True, False),
+                                                    (False, True, False), (True, True, True)])
+def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launches(with_z, packed, varlen):
     """The forward, and the backward on the gradients autograd passes (dout, zero final-state
-    gradients, no varlen ones unless returned), as backends/cutile.py and autograd.py call them."""
+    gradients, no varlen ones unless returned), as backends/cutile.py and autograd.py call them.
+    With varlen states the backward's per-sequence terms take shapes only on meta tensors
+    (backward.sequence_edge_terms), so that step replays too."""
     from tilegym_mamba2.backends import cutile as backend
     from tilegym_mamba2.cutile.scan_combined import run_layer
     from tilegym_mamba2.cutile.tuning import choose_config
@@ -236,22 +239,11 @@ def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launc
             args.D, args.z, args.dt_bias, args.initial_states, args.seq_idx, args.cu_seqlens, args.dt_softplus,
             args.dt_limit, ungated=ungated)
     for to in other.other_class_counts(tokens):
-        expected = _launches(lambda: step(_layer_args(to, with_z, packed)))
-        args = _layer_args(tokens, with_z, packed)
+        expected = _launches(lambda: step(_layer_args(to, with_z, packed, varlen=varlen)))
+        args = _layer_args(tokens, with_z, packed, varlen=varlen)
         ungated = torch.zeros_like(args.x) if with_z and not packed else None
         replayed = _replayed(backend._layer_replay(config, training=True), tokens, to, args=args, ungated=ungated)
         assert expected and replayed == expected, to
-
-
-def test_a_packed_training_step_returning_varlen_states_is_not_replayed():
-    """Its backward reads the sequence offsets on the host (backward.py's per-sequence sums), which
-    meta tensors do not have: compile_other_class queues nothing for it (its replay raises inside),
-    and that call's other class compiles on its own call."""
-    from tilegym_mamba2.backends import cutile as backend
-    from tilegym_mamba2.cutile.tuning import choose_config
-    replay = backend._layer_replay(choose_config(1, 500, 2, 6, 64, 128, 128), training=True)
-    with pytest.raises(NotImplementedError):
-        _replayed(replay, 500, 496, args=_layer_args(500, True, True, varlen=True), ungated=None)
 
 
 @pytest.fixture
