@@ -28,7 +28,7 @@ import argparse
 import torch
 
 from forward_rounding import SHAPES, worst_ratio  # benchmarks/forward_rounding.py
-from tilegym_mamba2.reference.scan import chunk_grads_reference
+from tilegym_mamba2.ssd.reference.chunk_grads import chunk_grads_reference
 from tilegym_mamba2.testing import Mamba2ProblemSpec
 
 TOLERANCE = {"dx": (4e-2, 4e-2), "da": (1e-2, 1e-2), "db": (5e-2, 4e-2), "dc": (4e-2, 4e-2),

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from tilegym_mamba2.bench.serving_ops import ServingCase, floor_bytes, state_update_inputs
-from tilegym_mamba2.cutile.serving import selective_state_update as ssu
+from tilegym_mamba2.serving import selective_state_update as ssu
 from timing import checked_row, graph_us, print_rows  # benchmarks/timing.py
 
 CALLS = 8

@@ -38,7 +38,7 @@ import cuda.tile._compile as tile_compile  # noqa: E402
 import torch  # noqa: E402
 
 import tilegym_mamba2  # noqa: E402
-from tilegym_mamba2.cutile import other_token_class  # noqa: E402
+from tilegym_mamba2.runtime import other_token_class  # noqa: E402
 from tilegym_mamba2.bench.layer import LAYER_CASES, layer_inputs  # noqa: E402
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs  # noqa: E402
 

@@ -27,7 +27,7 @@ import torch
 import tilegym
 import tilegym_mamba2  # noqa: F401  (registers the ops with tilegym)
 from tilegym_mamba2.bench.forward import measure
-from tilegym_mamba2.cutile import launch, plan
+from tilegym_mamba2.runtime import launch, plan
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 
 PREFILL = (1, 2048, 1, 32, 128, 64)  # batch, tokens, groups, heads, state_size, head_size

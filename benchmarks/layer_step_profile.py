@@ -18,7 +18,7 @@ import torch
 
 from tilegym_mamba2.bench.forward import measure
 from tilegym_mamba2.bench.layer import LAYER_CASES, implementations, layer_inputs, training_args
-from tilegym_mamba2.cutile import gate_grads
+from tilegym_mamba2.ssd import gate_grads
 from timing import gpu_busy  # benchmarks/timing.py
 
 GATE_TILES = [(4096, 256), (4096, 1024), (16384, 256), (16384, 1024)]

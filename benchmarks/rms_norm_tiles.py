@@ -13,9 +13,11 @@ import traceback
 import cuda.tile as ct
 import torch
 
-from tilegym_mamba2.core.serving_validation import check_rms_norm_args
-from tilegym_mamba2.cutile.launch import launch
-from tilegym_mamba2.cutile.serving import rms_norm as rn
+from tilegym_mamba2.runtime import limits
+
+from tilegym_mamba2.serving.validation import check_rms_norm_args
+from tilegym_mamba2.runtime.launch import launch
+from tilegym_mamba2.serving import rms_norm as rn
 
 SHAPES = [("decode b1 gated 5120", 1, 5120, True), ("decode b64 gated 5120", 64, 5120, True),
           ("decode b1 2560", 1, 2560, False), ("decode b64 2560", 64, 2560, False),
@@ -51,7 +53,7 @@ def sweep_shape(kernels, name, rows, width, gated, device="cuda"):
     wide = torch.randn(rows, 2 * width + 336, device=device).bfloat16()    # the mixer's projection
     gate = wide[:, :width] if gated else None
     w = torch.randn(width, device=device).bfloat16()
-    args = check_rms_norm_args(x, w, gate, 1e-5, None, backend="cutile")
+    args = check_rms_norm_args(x, w, gate, 1e-5, None, limits=limits.CUTILE)
 
     def hf():
         h = x.float()

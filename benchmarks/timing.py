@@ -9,8 +9,8 @@ import sys
 import torch
 
 from tilegym_mamba2.core.validation import check_forward_args
-from tilegym_mamba2.cutile.chunk_cumsum import chunk_cumsum
-from tilegym_mamba2.cutile.forward import _milliseconds, config_for
+from tilegym_mamba2.ssd.chunk_cumsum import chunk_cumsum
+from tilegym_mamba2.ssd.forward import _milliseconds, config_for
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 
 

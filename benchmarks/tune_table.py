@@ -63,7 +63,7 @@ def warm(indexes):
 
 
 def main(workers):
-    from tilegym_mamba2.cutile import tuning
+    from tilegym_mamba2.runtime import tuning
     start = time.perf_counter()
     groups_of_dims = [list(range(len(DIMS)))[w::workers] for w in range(workers)]
     procs = [subprocess.Popen([sys.executable, __file__, "--warm", ",".join(map(str, ids))]) for ids in groups_of_dims]

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
+from tilegym_mamba2.ssd.dt import process_dt
+from tilegym_mamba2.ssd.reference.layer import chunked_layer_reference
 from tilegym_mamba2.testing import relative_error as rel_err
 
 HEADS, HEAD_SIZE, STATE, GROUPS = 8, 64, 128, 2

@@ -6,12 +6,13 @@ backward's kernels."""
 import pytest
 import torch
 
+
 import tilegym_mamba2
 from tilegym_mamba2.backends.pytorch import pytorch_kernels
-from tilegym_mamba2.backward import layer_backward
-from tilegym_mamba2.reference.layer import layer_token_recurrence
-from tilegym_mamba2.reference.ssd import token_recurrence
-from tilegym_mamba2.core.validation import ScanCombinedArgs
+from tilegym_mamba2.ssd.backward import layer_backward
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference.forward import token_recurrence
+from tilegym_mamba2.core.validation import scan_combined_call
 from tilegym_mamba2.testing import relative_error as rel
 from layer_inputs import F64, cu, layer_inputs
 
@@ -51,7 +52,7 @@ def check_layer_backward(name, kernels, chunk_size, seed):
     loss = (out * dout).sum() + (final * dfinal).sum() + ((states * dstates).sum() if varlen else 0)
     refs = torch.autograd.grad(loss, [leaves[k] for k in names])
 
-    saved = ScanCombinedArgs(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size, t["D"], t.get("z"),
+    saved = scan_combined_call(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size, t["D"], t.get("z"),
                              t.get("dt_bias"), t.get("initial_states"), seq_idx, cu_seqlens, softplus, limit, True,
                              varlen)
     grads = dict(zip(["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"],
@@ -79,7 +80,7 @@ def test_chunk_grads_reference_is_the_token_by_token_gradient(seq, tokens):
     token-by-token states h_t and state gradients dh_t, sequences included: dxs_t = dh_t b_t,
     dc_t = h_t^T dy_t, db_t = w_t dh_t^T x_t (summed over a group's heads), ddt_input = x . dxs
     and dl_u = <dh_u, exp(l_u) h_{u-1}>."""
-    from tilegym_mamba2.reference.scan import chunk_grads_reference
+    from tilegym_mamba2.ssd.reference.chunk_grads import chunk_grads_reference
     g = torch.Generator().manual_seed(tokens)
     batch, groups, heads, state, head, L = 1, 2, 4, 5, 3, 8
     def randn(*shape):
@@ -198,9 +199,9 @@ def test_compile_fullgraph_forward_and_backward():
 
 def test_no_grad_calls_skip_the_custom_op(monkeypatch):
     """Inference keeps its direct path: the autograd op is not entered without a gradient."""
-    import tilegym_mamba2.autograd as autograd
+    import tilegym_mamba2.backends.base as base
     calls = []
-    monkeypatch.setattr(autograd, "chunk_forward", lambda *a: calls.append(a))
+    monkeypatch.setattr(base, "differentiable_chunk_forward", lambda *a: calls.append(a))
     x, a, b, c, d, dt, init = plain_inputs(tokens=20)
     tilegym_mamba2.mamba2_chunk_forward(x, a, b, c, d, dt, init, 16, backend="pytorch")
     with torch.no_grad():
@@ -239,7 +240,7 @@ def test_backward_kernels_compile_ahead_of_time():
     from tilegym_mamba2.core.toolchain import find_toolchain
     if find_toolchain().tileiras is None:
         pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\")")
-    from tilegym_mamba2.aot import compile_backward_kernels
+    from tilegym_mamba2.runtime.aot import compile_backward_kernels
     for layer in (None, "packed", "sequence_states"):
         results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
         names = {name for name, _, _ in results}
@@ -262,7 +263,7 @@ def test_backward_kernels_compile_ahead_of_time():
 def test_sequence_edge_terms_complete_the_decay_gradient():
     """With per-sequence starting states I_s and end-state gradients dE_s (chunk states hold
     neither), sequence_edge_terms is exactly what they add to <dh_u, exp(l_u) h_{u-1}>."""
-    from tilegym_mamba2.backward import sequence_edge_terms
+    from tilegym_mamba2.ssd.backward import sequence_edge_terms
     g = torch.Generator().manual_seed(0)
     tokens, groups, heads, state, head = 45, 2, 4, 5, 3
     def randn(*shape):
@@ -306,12 +307,14 @@ def test_state_512_runs_as_two_halves(monkeypatch):
     import tilegym_mamba2.backends.cutile as cutile
     cutile_backward = cutile
     from tilegym_mamba2.backends.pytorch import kernels_for, mamba2_chunk_forward_pytorch
-    from tilegym_mamba2.core.validation import check_forward_args
-    monkeypatch.setattr(cutile, "chunk_forward_kernels", mamba2_chunk_forward_pytorch)
-    monkeypatch.setattr(cutile, "check_forward_args",
-                        lambda *args, backend: check_forward_args(*args, backend="pytorch"))
+    from tilegym_mamba2.core.validation import BackwardArgs, ForwardArgs, check_forward_args
+    from tilegym_mamba2.runtime.limits import PYTORCH as PYTORCH_LIMITS
+    from tilegym_mamba2.backends.pytorch import chunk_forward_reference
+    monkeypatch.setattr(cutile, "chunk_forward_kernels", chunk_forward_reference)
+    monkeypatch.setattr(cutile, "check_forward_args", lambda limits, **call: check_forward_args(**call,
+                                                                                                 limits=PYTORCH_LIMITS))
     x, a, b, c, d, dt, init = plain_inputs(tokens=70, groups=2, state=512)
-    out, final = cutile.split_state_forward(x, a, b, c, d, dt, init, 64)
+    out, final = cutile.split_state_forward(ForwardArgs(x=x, a=a, b=b, c=c, d=d, dt=dt, init_state=init, chunk_size=64))
     want_out, want_final = mamba2_chunk_forward_pytorch(x, a, b, c, d, dt, init, 64)
     assert torch.allclose(out, want_out, rtol=1e-5, atol=1e-4)
     assert torch.allclose(final, want_final, rtol=1e-5, atol=1e-4)
@@ -319,7 +322,8 @@ def test_state_512_runs_as_two_halves(monkeypatch):
     monkeypatch.setattr(cutile_backward, "KERNELS", kernels_for(torch.float32))
     dout, dfinal = torch.randn(x.shape), torch.randn(init.shape)
     args = (x, a, b, c, d, dt, init, dout, dfinal)
-    got = cutile_backward._split_state_backward(*args)
+    got = cutile_backward._split_state_backward(BackwardArgs(x=x, a=a, b=b, c=c, d=d, dt=dt, init_state=init, dout=dout,
+                                                             dfinal_state=dfinal, chunk_size=64))
     want = tilegym_mamba2.mamba2_chunk_backward(*args, 64, backend="pytorch")
     for name, g, w in zip(["dx", "da", "db", "dc", "dd", "ddt", "dinit_state"], got, want):
         assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-3, atol=1e-3), name
@@ -357,7 +361,7 @@ def _chunk_entry_states(x, b, weight, log_decay, init, seq_idx, cu_seqlens, L):
 def test_chunk_entry_states_are_the_token_states(seq):
     """scan_reference.chunk_entry_states (the pytorch backend's chunk states, chunk by chunk)
     equals the token-by-token state before each chunk, sequences inside chunks included."""
-    from tilegym_mamba2.reference.scan import chunk_entry_states
+    from tilegym_mamba2.ssd.reference.chunk_states_walk import chunk_entry_states
     g = torch.Generator().manual_seed(3)
     batch, tokens = 2, 45
     x, b = torch.randn(batch, tokens, 4, 3, generator=g, dtype=F64), torch.randn(batch, tokens, 2, 5, generator=g,
@@ -374,8 +378,9 @@ def test_gated_dy_keeps_what_its_rounding_left_out():
     """With z, dy = dout * z * sigmoid(z) * ... is not a bf16 number: chunk_grads gets it as two
     bf16 terms, so that its rounding does not reach dA. On the pytorch backend, in fp32, dA's
     error against float64 with the second term and without it (it was 2-10x larger without)."""
-    from tilegym_mamba2.backward import Kernels
-    from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
+    from tilegym_mamba2.ssd.backward import Kernels
+    from tilegym_mamba2.ssd.dt import process_dt
+    from tilegym_mamba2.ssd.reference.layer import chunked_layer_reference
 
     kernels = pytorch_kernels(torch.float32)
     high_only = Kernels(kernels.scan, lambda *args: kernels.chunk_grads(*args[:9]), kernels.chunk_size)
@@ -394,7 +399,7 @@ def test_gated_dy_keeps_what_its_rounding_left_out():
                                       B.double(), C.double(), D.double(), z.double(), None, None, None,
                                       chunk_size=64)[0]
         want = torch.autograd.grad((out * dout.double()).sum(), leaf)[0]
-        saved = ScanCombinedArgs(x, dt, A, B, C, 64, D, z, dt_bias, None, None, None, True, (0.0, INF), False, False)
+        saved = scan_combined_call(x, dt, A, B, C, 64, D, z, dt_bias, None, None, None, True, (0.0, INF), False, False)
         for name, ks in (("split", kernels), ("high only", high_only)):
             errors[name].append(rel(layer_backward(ks, saved, dout)[2], want))
     assert max(errors["split"]) < 1e-3, errors

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.reference.layer import chunked_layer_reference, process_dt
-from tilegym_mamba2.reference.ssd import chunked_forward_reference
+from tilegym_mamba2.runtime.launch import poisoned_outputs
+from tilegym_mamba2.ssd.dt import process_dt
+from tilegym_mamba2.ssd.reference.layer import chunked_layer_reference
+from tilegym_mamba2.ssd.reference.forward import chunked_forward_reference
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
 from tilegym_mamba2.testing import relative_error as rel
 from layer_inputs import F64, cu, layer_inputs
 
@@ -34,7 +34,7 @@ def test_layer_autograd_packed_sequences_matches_float64():
 def test_layer_autograd_loss_of_some_outputs(used, monkeypatch):
     """A loss that leaves outputs out (a training loss is usually the output alone) gets the
     gradients of that loss; varlen states outside it cost no per-sequence edge terms."""
-    from tilegym_mamba2 import backward
+    from tilegym_mamba2.ssd import backward
     t = {k: v.float() for k, v in layer_inputs(5, 1, 50, bias=False).items()}
     cu_seqlens = cu(9, 31, 50)
     if "states" not in used:
@@ -118,7 +118,7 @@ def test_layer_backward_takes_the_forward_output_before_its_gate(init, monkeypat
     """With z, the forward keeps y + D x for the backward's dz (no second forward for it), except
     where packed sequences start from initial states of their own: those join the output after
     the gate, and the backward computes the forward again. Either way dz is float64's."""
-    from tilegym_mamba2 import backward
+    from tilegym_mamba2.ssd import backward
     kept, scans = [], []
     layer_backward, scan_backward = backward.layer_backward, backward.scan_backward
     monkeypatch.setattr(backward, "layer_backward", lambda *a, ungated=None: kept.append(ungated) or layer_backward(

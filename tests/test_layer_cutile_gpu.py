@@ -6,7 +6,7 @@ import torch
 
 import tilegym_mamba2
 from layer_cases import ALL, CASES, TOL_OURS, Case, assert_close_to_reference, build, reference, rel_err, unpack
-from tilegym_mamba2.cutile.launch import poisoned_outputs
+from tilegym_mamba2.runtime.launch import poisoned_outputs
 
 pytestmark = pytest.mark.gpu
 

@@ -5,17 +5,25 @@ Importing this package registers the ops of ``ops_registry.yaml`` with tilegym (
 installed), so ``tilegym.ops.mamba2_chunk_forward`` and the others run our kernels under the
 "cutile" backend. The same ops are callable directly from this package; the two scan ops are
 differentiable (autograd, torch.compile).
+
+Every function here takes ``backend=None``: our cuTile kernels for CUDA tensors, the "pytorch"
+backend (the references) for others; a name overrides. ``tilegym.ops.<op>`` keeps tilegym's
+own rule: the backend set by ``tilegym.set_backend``.
 """
 import os
 import sys
 import warnings
+
+from . import moved
+
+moved.install()  # the earlier releases' import paths (tilegym_mamba2.cutile.*, .reference.*) keep working
 
 TILEGYM_OPTIONAL_BACKEND_WARNINGS = ("Triton backend import failed", "TileCpp backend is not available")
 
 __version__ = "0.1.0"
 
 
-def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, backend="cutile"):
+def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, backend=None):
     """Mamba-2 chunked forward pass.
 
     Per head: h_t = exp(a dt_t) h_{t-1} + dt_t x_t b_t^T,  y_t = h_t c_t + d x_t.
@@ -27,18 +35,18 @@ def mamba2_chunk_forward(x, a, b, c, d, dt, init_state=None, chunk_size=128, *, 
         dt: [batch, tokens, heads], positive (already through softplus).
         init_state: [batch, heads, head_size, state_size] fp32, or None for zeros.
         chunk_size: 16, 32, 64, 128 or 256. Any number of tokens >= 1.
-        backend: "cutile" (our kernels, CUDA tensors) or "pytorch" (reference, any device).
+        backend: None (our cuTile kernels for CUDA tensors, "pytorch" for others) or a backend name.
 
     Returns:
         out [batch, tokens, heads, head_size] in x's dtype,
         final_state [batch, heads, head_size, state_size] fp32.
         Differentiable in every tensor input (mamba2_chunk_backward runs on backward).
     """
-    return dispatch.chunk_forward_on(backend, x, a, b, c, d, dt, init_state, chunk_size)
+    return backend_of("mamba2_chunk_forward", backend, x).chunk_forward(x, a, b, c, d, dt, init_state, chunk_size)
 
 
 def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None, chunk_size=128,
-                          state_dtype=None, *, backend="cutile"):
+                          state_dtype=None, *, backend=None):
     """Gradients of ``mamba2_chunk_forward`` (tilegym's call and return contract).
 
     Args: the forward's arguments, plus dout [batch, tokens, heads, head_size] (the gradient
@@ -51,8 +59,8 @@ def mamba2_chunk_backward(x, a, b, c, d, dt, init_state, dout, dfinal_state=None
     For training, calling mamba2_chunk_forward on tensors that require grad is simpler: it is
     differentiable and runs this on backward.
     """
-    return implementation("mamba2_chunk_backward", backend)(x, a, b, c, d, dt, init_state, dout, dfinal_state,
-                                                            chunk_size)
+    return backend_of("mamba2_chunk_backward", backend, x).chunk_backward(x, a, b, c, d, dt, init_state, dout,
+                                                                          dfinal_state, chunk_size)
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -81,9 +89,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         [batch, heads, head_size, state_size] fp32 if asked; then varlen_states
         [num_sequences, heads, head_size, state_size] fp32 if asked.
     """
-    return dispatch.scan_combined_on(_backend("mamba2_chunk_scan_combined", backend, x), x, dt, A, B, C, chunk_size,
-                                     D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-                                     return_final_states, return_varlen_states)
+    return backend_of("mamba2_chunk_scan_combined", backend, x).scan_combined(scan_combined_call(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+        return_final_states, return_varlen_states))
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -204,17 +212,10 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
 
     Returns out [batch, seqlen, out_dim], then final_states fp32 if asked.
     """
-    op = "mamba2_split_conv1d_scan_combined"
-    if torch.compiler.is_compiling():  # the registry's lookup is not traceable; the composition is
-        from .backends.split_conv1d_scan import split_conv1d_scan
-        return split_conv1d_scan(
-            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
-            return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim,
-            ngroups, norm_before_gate, backend=_backend(op, backend, zxbcdt))
-    return implementation(op, _backend(op, backend, zxbcdt))(
+    return split_conv1d_scan(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
         return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups,
-        norm_before_gate)
+        norm_before_gate, backend=backend_of("mamba2_split_conv1d_scan_combined", backend, zxbcdt))
 
 
 
@@ -236,14 +237,16 @@ def load() -> None:
     """Imports the backends and installs the registry with tilegym: what importing this package
     does. Only this package's own command line defers it (it parses its arguments first, so that
     --help and usage errors need none of torch, tilegym, transformers or cuda.tile)."""
-    global _loaded, torch, dispatch, custom_ops, _backend, implementation, Mamba2ProblemSpec
+    global _loaded, torch, custom_ops, _backend, backend_of, implementation, scan_combined_call, split_conv1d_scan
+    global Mamba2ProblemSpec
     if _loaded:
         return
     _loaded = True
     import torch
-    from .backends import dispatch
-    from .core.registry import backend_for as _backend, implementation, install
-    from .cutile.serving import custom_ops  # noqa: F401 (registers the serving custom ops)
+    from .backends.split_conv1d_scan import split_conv1d_scan
+    from .core.registry import backend_for as _backend, backend_of, implementation, install, prepare
+    from .core.validation import scan_combined_call
+    from . import traced_ops as custom_ops  # registers the serving ops for torch.compile
     from .testing import Mamba2ProblemSpec
 
     # tilegym warns at import about its optional backends (Triton, TileCpp); our commands use
@@ -254,14 +257,14 @@ def load() -> None:
                 warnings.filterwarnings("ignore", message=message, category=UserWarning)
         install()
 
-    # Every backend gives autograd its functions when imported (autograd.provide), which a first
-    # call under torch.compile needs. After install(): tilegym's import brings cuda.tile in the
-    # order its packaging expects (imported first by our kernels, it was not found in
-    # pytest-xdist workers on the GPU machine).
-    from .backends import cutile as _cutile, pytorch as _pytorch  # noqa: F401
+    # Every backend object resolved now, so that a first call under torch.compile finds it in a
+    # plain dict. After install(): tilegym's import brings cuda.tile in the order its packaging
+    # expects (imported first by our kernels, it was not found in pytest-xdist workers on the GPU machine).
+    prepare()
 
 
-_DEFERRED = ("dispatch", "custom_ops", "_backend", "implementation", "Mamba2ProblemSpec")
+_DEFERRED = ("custom_ops", "_backend", "backend_of", "implementation", "scan_combined_call", "split_conv1d_scan",
+             "Mamba2ProblemSpec")
 
 if _running_our_command():
     def __getattr__(name):

@@ -132,7 +132,7 @@ def main(argv=None):
     tilegym_mamba2.load()  # what importing the package does elsewhere: the kernels' host side, the registry
     if command in ("run", "bench", "tune", "fuzz"):
         # Each compiles many shapes once: their other token-count classes in the background
-        # (cutile/other_token_class.py) would compile each again and contend with the timing.
+        # (runtime/other_token_class.py) would compile each again and contend with the timing.
         os.environ.setdefault("TILEGYM_MAMBA2_PRECOMPILE", "0")
     if command == "run":
         return run()
@@ -193,7 +193,7 @@ def run() -> int:
         checks["mamba_chunk_scan_combined"] = layer_example("cuda")
         checks["mamba_chunk_scan_combined backward"] = gradient_example("cuda")
         return verdict(checks, status)
-    from .reference.ssd import token_recurrence
+    from .ssd.reference.forward import token_recurrence
     spec = Mamba2ProblemSpec(batch_size=1, num_tokens=300, num_groups=1, num_heads=4, state_size=64,
                              head_size=64, chunk_size=128, device="cpu")
     inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
@@ -235,7 +235,7 @@ def layer_example(device) -> float:
     from .testing import relative_error
     import tilegym_mamba2
     from .bench.layer import LayerCase, layer_inputs
-    from .reference.layer import layer_token_recurrence
+    from .ssd.reference.layer import layer_token_recurrence
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     args, lengths = layer_inputs(LayerCase("example", 1, 381, 2, 8, 64, 64, sequences=3), device, dtype)
     args.update(D=torch.randn(8, 64, device=device), dt_limit=(0.0, 1.0))  # D per channel, a clamp
@@ -257,7 +257,7 @@ def gradient_example(device) -> float:
     from .testing import relative_error
     import tilegym_mamba2
     from .bench.layer import LayerCase, layer_inputs
-    from .reference.layer import layer_token_recurrence
+    from .ssd.reference.layer import layer_token_recurrence
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     args, lengths = layer_inputs(LayerCase("example", 1, 381, 2, 8, 64, 64, sequences=3), device, dtype)
     args.update(D=torch.randn(8, 64, device=device))
@@ -279,7 +279,7 @@ def gradient_example(device) -> float:
 
 def compile_all(target) -> int:
     """Compiles every kernel the ops launch for ``target``; 1 (with the diagnosis printed) on failure."""
-    from .aot import (compile_backward_kernels, compile_end_state_kernels, compile_kernels, compile_layer_kernels,
+    from .runtime.aot import (compile_backward_kernels, compile_end_state_kernels, compile_kernels, compile_layer_kernels,
                       compile_serving_kernels)
     from .core.toolchain import explain_compile_failure
     kernels, start = 0, time.perf_counter()
@@ -401,7 +401,7 @@ def tune_cmd(args) -> int:
     import torch
     from .bench.forward import GRID_SHAPES
     from .core.validation import check_forward_args
-    from .cutile.forward import config_for
+    from .ssd.forward import config_for
     from .testing import Mamba2ProblemSpec, forward_inputs
     if not torch.cuda.is_available():
         print("tune needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
 from tilegym_mamba2.testing import relative_error
 
 BACKENDS = ["pytorch", pytest.param("cutile", marks=pytest.mark.gpu)]

@@ -2,12 +2,14 @@
 torch.autograd.gradcheck runs through them; the cutile backend refuses it, naming the argument."""
 import pytest
 import torch
+
+from tilegym_mamba2.runtime import limits
 import torch.nn.functional as F
 
 import tilegym_mamba2
 from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch, mamba_chunk_scan_combined_pytorch
-from tilegym_mamba2.reference.layer import layer_token_recurrence
-from tilegym_mamba2.reference.ssd import token_recurrence
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference.forward import token_recurrence
 from tilegym_mamba2.core.validation import check_forward_args, check_scan_combined_args
 from tilegym_mamba2.testing import relative_error as rel_err
 
@@ -123,9 +125,9 @@ def test_cutile_refuses_float64_naming_x():
     # The dtype is checked before the device, so this runs on a CPU.
     with pytest.raises(TypeError, match=r"^x must be bfloat16, float16 or float32 for the cutile backend, "
                                         r"got torch\.float64"):
-        check_forward_args(**forward_args(), backend="cutile")
+        check_forward_args(**forward_args(), limits=limits.CUTILE)
     with pytest.raises(TypeError, match=r"^x must be .* for the cutile backend, got torch\.float64"):
-        check_scan_combined_args(**layer_args(), chunk_size=16, backend="cutile")
+        check_scan_combined_args(**layer_args(), chunk_size=16, limits=limits.CUTILE)
 
 
 def test_cutile_ops_refuse_float64_naming_x():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import tilegym
 import tilegym_mamba2
-from tilegym_mamba2.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
 
 F64 = torch.float64
 

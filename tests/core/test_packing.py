@@ -6,8 +6,8 @@ import torch
 
 import tilegym_mamba2
 from tilegym_mamba2.core.packing import SequenceBuckets, packed_sequences
-from tilegym_mamba2.reference import scan as scan_module
-from tilegym_mamba2.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference import scans as scan_module
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
 from tilegym_mamba2.testing import relative_error
 
 
@@ -62,7 +62,7 @@ def test_many_one_token_sequences_take_one_bucket_not_a_pass_each(with_init, mon
 def test_the_backward_per_sequence_terms_take_a_pass_per_bucket(monkeypatch):
     """Gradients of 300 packed sequences with their own initial states: sequence_edge_terms reads
     the offsets once (it read them and looped once per sequence), and the gradients are float64's."""
-    from tilegym_mamba2 import backward
+    from tilegym_mamba2.ssd import backward
     reads = []
     real = backward.packed_sequences
     monkeypatch.setattr(backward, "packed_sequences", lambda *a, **k: reads.append(1) or real(*a, **k))

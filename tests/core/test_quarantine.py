@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from tilegym_mamba2.backends.pytorch import pytorch_kernels
-from tilegym_mamba2.backward import scan_combined_backward
+from tilegym_mamba2.ssd.backward import scan_combined_backward
 from tilegym_mamba2.core.quarantine import NothingMarked, Quarantine, all_finite, cleaned, quarantine_layer
-from tilegym_mamba2.core.validation import check_scan_combined_args
+from tilegym_mamba2.core.validation import check_scan_combined_args, scan_combined_call
+from tilegym_mamba2.runtime import limits
 
 NAN = float("nan")
 
@@ -51,10 +52,9 @@ CU = [0, 17, 50, 70]
 
 
 def _backward(kernels, dout, inputs):
-    return scan_combined_backward(lambda dtype: kernels, dout, None, None, inputs["x"], inputs["dt"], inputs["A"],
-                                  inputs["B"], inputs["C"], 16, D=inputs["D"], z=inputs["z"],
-                                  dt_bias=inputs["dt_bias"], cu_seqlens=torch.tensor(CU), dt_softplus=True,
-                                  backend="pytorch")
+    call = scan_combined_call(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], 16, D=inputs["D"],
+                              z=inputs["z"], dt_bias=inputs["dt_bias"], cu_seqlens=torch.tensor(CU), dt_softplus=True)
+    return scan_combined_backward(lambda dtype: kernels, call, dout, None, None, limits=limits.PYTORCH)
 
 
 @pytest.mark.parametrize("where, token", [("dout", 52), ("x", 20), ("dt", 49)])
@@ -92,7 +92,7 @@ def _packed_args(x):
     return check_scan_combined_args(x, torch.rand(1, t, h), -torch.ones(h), torch.randn(1, t, 1, 4),
                                     torch.randn(1, t, 1, 4), 16, None, None, None, None, None,
                                     torch.tensor([0, 3, t]), False, (0.0, float("inf")), True, False,
-                                    backend="pytorch")
+                                    limits=limits.PYTORCH)
 
 
 def test_all_finite_sees_nan_inf_and_fp32_overflow():

@@ -23,7 +23,7 @@ OP = "mamba2_chunk_forward"
 PRELUDE = textwrap.dedent("""
     import torch
     from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-    from tilegym_mamba2.reference.ssd import chunked_forward_reference
+    from tilegym_mamba2.ssd.reference.forward import chunked_forward_reference
 
     spec = Mamba2ProblemSpec(batch_size=2, num_tokens=40, num_groups=2, num_heads=4,
                              state_size=8, head_size=8, chunk_size=16,
@@ -347,7 +347,7 @@ def test_an_op_that_would_shadow_one_of_tilegyms_is_refused_before_any_change():
             backends: {pytorch: "tilegym_mamba2.backends.pytorch:rms_norm_pytorch"}
             fallback: pytorch
           rms_norm:
-            backends: {cutile: "tilegym_mamba2.cutile.serving.rms_norm:rms_norm",
+            backends: {cutile: "tilegym_mamba2.serving.rms_norm:rms_norm",
                        pytorch: "tilegym_mamba2.backends.pytorch:rms_norm_pytorch"}
             fallback: pytorch
         ''')

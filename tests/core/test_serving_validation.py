@@ -3,8 +3,10 @@ ValueError or TypeError naming it, and no state is written when a check fails.""
 import pytest
 import torch
 
+from tilegym_mamba2.runtime import limits
+
 import tilegym_mamba2
-from tilegym_mamba2.core.serving_validation import (check_conv_args, check_conv_update_args,
+from tilegym_mamba2.serving.validation import (check_conv_args, check_conv_update_args,
                                                check_state_update_args)
 
 BATCH, HEADS, P, N, G, SLOTS = 2, 4, 8, 16, 2, 3
@@ -79,8 +81,8 @@ def test_state_update_float64_only_for_pytorch():
     kw = state_update_kw()
     kw["x"] = kw["x"].double()
     with pytest.raises(TypeError, match="x"):
-        check_state_update_args(**kw, backend="cutile")
-    assert check_state_update_args(**kw, backend="pytorch").x.dtype == torch.float64
+        check_state_update_args(**kw, limits=limits.CUTILE)
+    assert check_state_update_args(**kw, limits=limits.PYTORCH).x.dtype == torch.float64
 
 
 def test_state_update_cutile_backend_needs_cuda_tensors():
@@ -94,10 +96,10 @@ def test_state_update_cutile_backend_needs_cuda_tensors():
 def test_state_update_normal_form_is_views():
     kw = state_update_kw()
     kw["dt"] = torch.zeros(BATCH, HEADS, 1).expand(BATCH, HEADS, P)   # HF's expanded dt
-    args = check_state_update_args(**kw, backend="pytorch")
+    args = check_state_update_args(**kw, limits=limits.PYTORCH)
     assert args.state.data_ptr() == kw["state"].data_ptr() and args.dt.stride(-1) == 0 and args.has_heads
     flat = check_state_update_args(kw["state"][:, 0], kw["x"][:, 0], kw["dt"][:, 0], kw["A"][0], kw["B"][:, 0],
-                                   kw["C"][:, 0], backend="pytorch", state_batch_indices=kw["state_batch_indices"])
+                                   kw["C"][:, 0], limits=limits.PYTORCH, state_batch_indices=kw["state_batch_indices"])
     assert not flat.has_heads and flat.state.shape == (SLOTS, 1, P, N) and flat.B.shape == (BATCH, 1, N)
 
 
@@ -139,7 +141,7 @@ def test_conv_bad_final_states_out_is_named_and_untouched():
         tilegym_mamba2.causal_conv1d_fn(**kw, return_final_states=True, final_states_out=buffer)
     assert torch.all(buffer == 7.0)
     # Without return_final_states it is ignored, as in causal_conv1d.
-    assert check_conv_args(**kw, final_states_out=buffer, backend="pytorch").final_states_out is None
+    assert check_conv_args(**kw, final_states_out=buffer, limits=limits.PYTORCH).final_states_out is None
 
 
 CONV_UPDATE_BAD = [
@@ -174,7 +176,7 @@ def test_conv_update_batch_must_match_without_indices():
     kw = conv_update_kw()
     kw["conv_state_indices"] = None
     with pytest.raises(ValueError, match="conv_state_indices"):
-        check_conv_update_args(**kw, backend="pytorch")
+        check_conv_update_args(**kw, limits=limits.PYTORCH)
 
 
 def test_conv_update_cutile_backend_needs_cuda_tensors():
@@ -256,8 +258,8 @@ def test_padding_rows_among_the_indices_are_not_repeats(op):
 
 
 def test_an_index_past_the_last_slot_is_a_padding_row_in_the_reference():
-    from tilegym_mamba2.core.serving_validation import state_update_args
-    from tilegym_mamba2.reference.serving import selective_state_update_reference
+    from tilegym_mamba2.serving.validation import state_update_args
+    from tilegym_mamba2.serving.reference import selective_state_update_reference
     kw = state_update_kw()
     kw["state_batch_indices"] = torch.tensor([SLOTS + 5, 0], dtype=torch.int32)   # as device indices may hold
     before = kw["state"].clone()

@@ -2,12 +2,14 @@
 
 import pytest
 import torch
+
+from tilegym_mamba2.runtime import limits
 import torch.nn.functional as F
 
 import tilegym_mamba2
 from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch
-from tilegym_mamba2.reference.ssd import token_recurrence
-from tilegym_mamba2.core.validation import ForwardArgs, check_forward_args
+from tilegym_mamba2.ssd.reference.forward import token_recurrence
+from tilegym_mamba2.core.validation import ForwardArgs, check_forward_args, values
 
 B, T, G, H, P, N, L = 2, 20, 2, 4, 8, 16, 16
 
@@ -32,7 +34,7 @@ def make_inputs(batch=B, tokens=T, groups=G, heads=H, head_size=P, state_size=N,
 
 
 def check(**kw):
-    return check_forward_args(**kw, backend="pytorch")
+    return check_forward_args(**kw, limits=limits.PYTORCH)
 
 
 def op(**kw):
@@ -101,7 +103,7 @@ def test_non_contiguous_inputs_give_the_same_result():
     nkw = {k: _non_contiguous(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     assert not any(nkw[k].is_contiguous() for k in ("x", "a", "b", "c", "d", "dt", "init_state"))
     args = check(**nkw)
-    assert all(t.is_contiguous() for t in args if isinstance(t, torch.Tensor))
+    assert all(t.is_contiguous() for t in values(args) if isinstance(t, torch.Tensor))
     out, state = op(**kw)
     nout, nstate = op(**nkw)
     torch.testing.assert_close(nout, out, rtol=0, atol=0)
@@ -147,7 +149,7 @@ def test_x_dtype(call, dtype):
     kw = make_inputs()
     for name in ("x", "b", "c"):  # b and c follow x, so only x's own dtype check can fire
         kw[name] = kw[name].to(dtype)
-    with pytest.raises(TypeError, match=r"^x must be bfloat16, float16, float32 or float64, got"):
+    with pytest.raises(TypeError, match=r"^x must be bfloat16, float16, float32 or float64 for the pytorch backend, got"):
         call(**kw)
 
 
@@ -159,7 +161,7 @@ def test_x_dtype_cutile(dtype):
         kw[name] = kw[name].to(dtype)
     with pytest.raises(TypeError, match=rf"^x must be bfloat16, float16 or float32 for the cutile backend, "
                                         rf"got {dtype}"):
-        check_forward_args(**kw, backend="cutile")
+        check_forward_args(**kw, limits=limits.CUTILE)
 
 
 def test_float64_inputs_stay_float64_on_pytorch():
@@ -293,15 +295,23 @@ def test_tensors_on_different_devices(call, name):
 def test_cutile_backend_needs_cuda_tensors():
     kw = make_inputs()
     with pytest.raises(ValueError, match=r"CUDA") as info:
-        check_forward_args(**kw, backend="cutile")
+        check_forward_args(**kw, limits=limits.CUTILE)
     assert 'backend="pytorch"' in str(info.value)
     # The pytorch backend takes the same tensors.
-    check_forward_args(**kw, backend="pytorch")
+    check_forward_args(**kw, limits=limits.PYTORCH)
 
 
-def test_op_defaults_to_cutile_and_refuses_cpu_tensors():
+def test_op_picks_its_backend_by_device_and_backend_overrides():
+    """One rule for every public function: CPU tensors run on the pytorch backend unless
+    backend= names another, and the cutile backend refuses them, naming CUDA."""
+    kw = make_inputs()
+    out, final = tilegym_mamba2.mamba2_chunk_forward(**kw)
+    want_out, want_final = tilegym_mamba2.mamba2_chunk_forward(**kw, backend="pytorch")
+    assert torch.equal(out, want_out) and torch.equal(final, want_final)
     with pytest.raises(ValueError, match=r"CUDA"):
-        tilegym_mamba2.mamba2_chunk_forward(**make_inputs())
+        tilegym_mamba2.mamba2_chunk_forward(**kw, backend="cutile")
+    with pytest.raises(ValueError, match=r"backend must be one of \['cutile', 'pytorch'\] .*'bogus'"):
+        tilegym_mamba2.mamba2_chunk_forward(**kw, backend="bogus")
     with pytest.raises(ValueError, match=r"CUDA"):
         tilegym_mamba2.mamba2_chunk_forward(**make_inputs(), backend="cutile")
 

@@ -5,11 +5,13 @@ Every output starts as NaN (poisoned_outputs); fresh random inputs each run (see
 import pytest
 import torch
 
+from tilegym_mamba2.runtime import limits
+
 import tilegym_mamba2
-from tilegym_mamba2.cutile import plan
-from tilegym_mamba2.cutile.forward import run_stages
-from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.cutile.tuning import CHAINED_SEGMENTS, ConfigCache, bucket_key, chained_config, choose_config
+from tilegym_mamba2.runtime import plan
+from tilegym_mamba2.ssd.forward import run_stages
+from tilegym_mamba2.runtime.launch import poisoned_outputs
+from tilegym_mamba2.runtime.tuning import CHAINED_SEGMENTS, ConfigCache, bucket_key, chained_config, choose_config
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.core.validation import check_forward_args
 
@@ -43,7 +45,7 @@ def sample(batch, tokens, groups, heads, state, head, dtype, with_init, seed=Non
 
 
 def chained_run(inputs, per_segment):
-    x, a, b, c, d, dt, init, chunk = check_forward_args(**forward_inputs(inputs), backend="cutile")
+    x, a, b, c, d, dt, init, chunk = check_forward_args(**forward_inputs(inputs), limits=limits.CUTILE)
     batch, tokens, heads, head_size = x.shape
     config = chained_config(choose_config(batch, tokens, b.shape[2], heads, head_size, b.shape[3], chunk),
                             per_segment)
@@ -96,7 +98,7 @@ def test_a_settled_chained_choice_is_captured_and_replays_the_eager_bits(tmp_pat
     """The plain op with the one-launch path saved for its bucket: the eager call takes it, a
     CUDA graph captures it with a workspace of its own, and each replay gives the eager bits,
     also replayed on a second stream while the eager path runs on the first."""
-    from tilegym_mamba2.cutile.chained_prefill import _workspaces
+    from tilegym_mamba2.ssd.chained_prefill import _workspaces
     monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "all")  # the one-launch path is taken only where asked for
     plan.forget()

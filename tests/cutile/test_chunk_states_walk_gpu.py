@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tilegym_mamba2.backends.pytorch import pytorch_kernels
-from tilegym_mamba2.backward import _flipped_scan
-from tilegym_mamba2.cutile.fwd_pass_state import fwd_pass_state
-from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.cutile.scan import reversed_scan, scan
-from tilegym_mamba2.cutile.tuning import choose_config
+from tilegym_mamba2.ssd.backward import _flipped_scan
+from tilegym_mamba2.ssd.fwd_pass_state import fwd_pass_state
+from tilegym_mamba2.runtime.launch import poisoned_outputs
+from tilegym_mamba2.ssd.scans import reversed_scan, scan
+from tilegym_mamba2.runtime.tuning import choose_config
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 

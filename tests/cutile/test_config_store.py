@@ -9,8 +9,8 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from tilegym_mamba2.cutile import config_store
-from tilegym_mamba2.cutile.tuning import ConfigCache, bucket_key, choose_config, tuned_config
+from tilegym_mamba2.runtime import config_store
+from tilegym_mamba2.runtime.tuning import ConfigCache, bucket_key, choose_config, tuned_config
 
 BASE = choose_config(4, 16384, 1, 8, 64, 128, 128)
 

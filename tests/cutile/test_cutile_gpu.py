@@ -8,11 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tilegym_mamba2.runtime import limits
+
 import tilegym_mamba2
-from tilegym_mamba2.cutile.forward import run_stages
-from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.cutile.tuning import Config, choose_config
-from tilegym_mamba2.reference.ssd import chunked_forward_reference, decay_cumsum_reference, chunk_states_reference
+from tilegym_mamba2.ssd.forward import run_stages
+from tilegym_mamba2.runtime.launch import poisoned_outputs
+from tilegym_mamba2.runtime.tuning import Config, choose_config
+from tilegym_mamba2.ssd.reference.forward import chunked_forward_reference, decay_cumsum_reference, chunk_states_reference
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 from tilegym_mamba2.core.validation import check_forward_args
 
@@ -74,7 +76,7 @@ def test_forward_matches_reference(batch, tokens, groups, heads, state, head, ch
                           (32, 5, True), (64, 16, False), (64, 32, True)])  # the last two: one segment per row
 def test_every_stage_matches_reference(chunk, chunks_per_segment, group_scores):
     spec, inputs = sample(2, 1000, 2, 4, 64, 64, chunk)
-    args = check_forward_args(**forward_inputs(inputs), backend="cutile")
+    args = check_forward_args(**forward_inputs(inputs), limits=limits.CUTILE)
     config = Config(chunk_size=chunk, chunks_per_segment=chunks_per_segment, state_head_tile=32,
                     state_tile=32, out_head_tile=64, group_scores=group_scores)
     with poisoned_outputs():
@@ -96,7 +98,7 @@ def test_every_stage_matches_reference(chunk, chunks_per_segment, group_scores):
 def test_group_scores_give_the_output_of_scores_in_the_block():
     """C·B^T read from group_scores.py or multiplied in compute_out: the same output."""
     spec, inputs = sample(2, 1500, 2, 32, 128, 64, 128)
-    args = check_forward_args(**forward_inputs(inputs), backend="cutile")
+    args = check_forward_args(**forward_inputs(inputs), limits=limits.CUTILE)
     x, a, b, c, d, dt, init, chunk = args
     base = choose_config(2, 1500, 2, 32, 64, 128, chunk)  # both paths are forced below
     outs = []
@@ -116,7 +118,7 @@ def test_fp32_forward_follows_torch_matmul_precision(group_scores):
     in the state pass (several segments per row), C·B^T multiplied in compute_out or read from
     group_scores."""
     spec, inputs = sample(2, 1000, 1, 16, 128, 64, 128, torch.float32)
-    args = check_forward_args(**forward_inputs(inputs), backend="cutile")
+    args = check_forward_args(**forward_inputs(inputs), limits=limits.CUTILE)
     config = replace(choose_config(2, 1000, 1, 16, 64, 128, 128), chunk_size=64, chunks_per_segment=3,
                      group_scores=group_scores)
     worst, before = {}, torch.get_float32_matmul_precision()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.cutile import plan
+from tilegym_mamba2.runtime import plan
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,8 @@ def test_compile_failures_inside_the_op_are_explained(monkeypatch):
     import tilegym_mamba2.backends.cutile as backend
 
     failure = RuntimeError("Return code 5: failed to compile Tile IR program")
-    monkeypatch.setattr(backend, "check_forward_args", lambda *args, **kw: args[:8])
+    from tilegym_mamba2.core.validation import ForwardArgs
+    monkeypatch.setattr(backend, "check_forward_args", lambda limits, **call: ForwardArgs(**call))
     monkeypatch.setattr(backend, "run_stages", lambda *args: (_ for _ in ()).throw(failure))
     import tilegym_mamba2.core.toolchain as toolchain
     monkeypatch.setattr(toolchain, "explain_compile_failure", lambda exc: "CUDA_HOME is CUDA 13.0; fix: ...")
@@ -46,9 +47,9 @@ def test_every_segment_length_shares_compiled_kernels(shape):
     call compiles it once per candidate."""
     pytest.importorskip("cuda.tile")
     import torch
-    from tilegym_mamba2.cutile.forward import run_stages
-    from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.cutile.tuning import candidates, choose_config, whole_row_chunks
+    from tilegym_mamba2.ssd.forward import run_stages
+    from tilegym_mamba2.runtime.launch import recording_launches
+    from tilegym_mamba2.runtime.tuning import candidates, choose_config, whole_row_chunks
     batch, tokens, groups, heads, head_size, state_size = shape
     x = torch.empty(batch, tokens, heads, head_size, dtype=torch.bfloat16)
     b = torch.empty(batch, tokens, groups, state_size, dtype=torch.bfloat16)
@@ -71,9 +72,9 @@ def test_one_segment_per_row_skips_the_state_pass():
     pytest.importorskip("cuda.tile")
     import torch
     from dataclasses import replace
-    from tilegym_mamba2.cutile.forward import run_stages
-    from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.ssd.forward import run_stages
+    from tilegym_mamba2.runtime.launch import recording_launches
+    from tilegym_mamba2.runtime.tuning import choose_config
     x, b = torch.randn(2, 300, 4, 32).bfloat16(), torch.randn(2, 300, 1, 64).bfloat16()
     a, d, dt = -torch.rand(4), torch.randn(4), torch.rand(2, 300, 4)
     init = torch.randn(2, 4, 32, 64)
@@ -97,8 +98,8 @@ def test_backward_mma_follow_torch_matmul_precision(dtype, precision, want):
     pytest.importorskip("cuda.tile")
 
     import torch
-    from tilegym_mamba2.backward import chunk_backward
-    from tilegym_mamba2.cutile.launch import recording_launches
+    from tilegym_mamba2.ssd.backward import chunk_backward
+    from tilegym_mamba2.runtime.launch import recording_launches
     from tilegym_mamba2.backends.cutile import KERNELS
     batch, tokens, heads, head_size, state_size = 2, 300, 4, 64, 128
     dtype = getattr(torch, dtype)
@@ -123,11 +124,11 @@ def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     from dataclasses import replace
 
     import torch
-    from tilegym_mamba2.cutile.forward import run_stages
-    from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.core.validation import ScanCombinedArgs
-    from tilegym_mamba2.cutile.scan_combined import run_layer
-    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.ssd.forward import run_stages
+    from tilegym_mamba2.runtime.launch import recording_launches
+    from tilegym_mamba2.core.validation import scan_combined_call
+    from tilegym_mamba2.ssd.layer import run_layer
+    from tilegym_mamba2.runtime.tuning import choose_config
     tokens, heads, head_size, state_size = 300, 16, 64, 128
     dtype = getattr(torch, dtype)
     x, z = (torch.zeros(1, tokens, heads, head_size, dtype=dtype) for _ in range(2))
@@ -139,8 +140,8 @@ def test_forward_mma_follow_torch_matmul_precision(dtype, precision, want):
     with matmul_precision(precision), recording_launches() as launches:
         for group_scores in (False, True):
             run_stages(x, a, b, b, d, dt, None, 64, replace(base, group_scores=group_scores))
-        run_layer(ScanCombinedArgs(x, dt, a, b, b, 64, d, z, d, per_sequence, None, cu_seqlens, True,
-                                   (0.0, float("inf")), True, True), config=base)
+        run_layer(scan_combined_call(x, dt, a, b, b, 64, d, z, d, per_sequence, None, cu_seqlens, True,
+                                     (0.0, float("inf")), True, True), config=base)
     told = tf32_flags(launches)
     assert set(told) == {"segment_states_kernel", "compute_out_kernel", "group_scores_kernel",
                          "varlen_states_kernel", "sequence_init_kernel"}, told
@@ -174,10 +175,10 @@ def test_the_chained_path_is_one_launch_and_reuses_its_workspace():
     first call of a shape only), and all its segment lengths share one specialization."""
     pytest.importorskip("cuda.tile")
     import torch
-    from tilegym_mamba2.cutile.forward import run_stages
-    from tilegym_mamba2.cutile.chained_prefill import _workspaces
-    from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.cutile.tuning import CHAINED_SEGMENTS, chained_config, choose_config
+    from tilegym_mamba2.ssd.forward import run_stages
+    from tilegym_mamba2.ssd.chained_prefill import _workspaces
+    from tilegym_mamba2.runtime.launch import recording_launches
+    from tilegym_mamba2.runtime.tuning import CHAINED_SEGMENTS, chained_config, choose_config
     batch, tokens, heads, head_size, state_size = 1, 1000, 8, 64, 128
     x, b = torch.randn(batch, tokens, heads, head_size).bfloat16(), torch.randn(batch, tokens, 1, state_size).bfloat16()
     a, d, dt = -torch.rand(heads), torch.randn(heads), torch.rand(batch, tokens, heads)
@@ -213,11 +214,11 @@ def test_a_chained_call_being_captured_gets_a_workspace_of_its_own(monkeypatch):
     share the stream's workspace."""
     pytest.importorskip("cuda.tile")
     import torch
-    from tilegym_mamba2.cutile import tuning
-    from tilegym_mamba2.cutile.forward import run_stages
-    from tilegym_mamba2.cutile.chained_prefill import _workspaces
-    from tilegym_mamba2.cutile.launch import recording_launches
-    from tilegym_mamba2.cutile.tuning import chained_config, choose_config
+    from tilegym_mamba2.runtime import tuning
+    from tilegym_mamba2.ssd.forward import run_stages
+    from tilegym_mamba2.ssd.chained_prefill import _workspaces
+    from tilegym_mamba2.runtime.launch import recording_launches
+    from tilegym_mamba2.runtime.tuning import chained_config, choose_config
     x, b = torch.randn(1, 300, 4, 32).bfloat16(), torch.randn(1, 300, 1, 64).bfloat16()
     a, d, dt = -torch.rand(4), torch.randn(4), torch.rand(1, 300, 4)
     config = chained_config(choose_config(1, 300, 1, 4, 32, 64, 128), 2)

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("cuda.tile")
 
-from tilegym_mamba2.cutile import launch  # noqa: E402
+from tilegym_mamba2.runtime import launch  # noqa: E402
 
 
 def test_launch_passes_the_raw_handle_of_the_arguments_device_stream(monkeypatch):

@@ -9,21 +9,17 @@ import torch
 
 pytest.importorskip("cuda.tile")
 
-from tilegym_mamba2.core import serving_validation, validation  # noqa: E402
-from tilegym_mamba2.cutile import plan  # noqa: E402
-from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
+from tilegym_mamba2.runtime import limits  # noqa: E402
+from tilegym_mamba2.runtime import plan  # noqa: E402
+from tilegym_mamba2.runtime.launch import recording_launches  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def cpu_as_cuda(monkeypatch):
     """CPU tensors pass the cutile backend's device checks; no tuning (it would time on a GPU)."""
-    check_limits = validation._check_cutile_limits
-    monkeypatch.setattr(validation, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(validation, "_check_cutile_limits",
-                        lambda device, *sizes: check_limits(torch.device("cuda", 0), *sizes)
-                        if device.type == "cpu" else check_limits(device, *sizes))
-    check_device = validation.check_cutile_device  # the decode-step ops' device check
-    monkeypatch.setattr(serving_validation, "check_cutile_device",
+    check_device = limits.check_cuda_device
+    monkeypatch.setattr(limits, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(limits, "check_cuda_device",
                         lambda device: check_device(torch.device("cuda", 0) if device.type == "cpu" else device))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setenv("TILEGYM_MAMBA2_TUNE", "0")
@@ -100,7 +96,6 @@ def recorded(op, kw, inputs):
 def counting_checks(monkeypatch):
     """Counts full checks of either op."""
     import tilegym_mamba2.backends.cutile as backend
-    from tilegym_mamba2.cutile import scan_combined
     calls = []
     for module, name in ((backend, "check_forward_args"), (backend, "check_scan_combined_args")):
         original = getattr(module, name)
@@ -262,15 +257,14 @@ def test_nothing_is_remembered_during_graph_capture(monkeypatch):
 
 def test_a_planned_call_neither_tunes_nor_looks_the_config_up(monkeypatch):
     """What keeps a planned call capturable: no config lookup, so no timing and no sync."""
-    import tilegym_mamba2.backends.cutile as backend
+    from tilegym_mamba2.ssd import layer as scan_combined
     kw = forward_inputs()
     recorded(forward, kw, kw)
-    from tilegym_mamba2.cutile import forward as cutile_forward
+    from tilegym_mamba2.ssd import forward as cutile_forward
     monkeypatch.setattr(cutile_forward, "config_for", lambda *a, **k: pytest.fail("config_for on a planned call"))
     recorded(forward, kw, kw)
     layer_kw = layer_inputs(("D", "z"))
     recorded(layer, layer_kw, layer_kw)
-    from tilegym_mamba2.cutile import scan_combined
     monkeypatch.setattr(scan_combined, "config_for", lambda *a, **k: pytest.fail("config_for on a planned call"))
     recorded(layer, layer_kw, layer_kw)
 
@@ -284,7 +278,7 @@ def test_plans_are_bounded(monkeypatch):
 
 @pytest.mark.parametrize("fast", [True, False], ids=["environ data", "os.environ.get"])
 def test_tuning_switches_follow_the_environment(fast, monkeypatch):
-    from tilegym_mamba2.cutile import tuning
+    from tilegym_mamba2.runtime import tuning
     if not fast:
         monkeypatch.setattr(tuning, "_environ_data", None)
     seen = []
@@ -357,18 +351,18 @@ def conv_update_inputs(form=(), batch=3, dim=40, width=4, seed=3):
 
 
 def state_update(**kw):
-    from tilegym_mamba2.cutile.serving.selective_state_update import selective_state_update
+    from tilegym_mamba2.serving.selective_state_update import selective_state_update
     return selective_state_update(**kw)
 
 
 def conv_update(**kw):
-    from tilegym_mamba2.cutile.serving.causal_conv1d_update import causal_conv1d_update
+    from tilegym_mamba2.serving.causal_conv1d_update import causal_conv1d_update
     return causal_conv1d_update(**kw)
 
 
 def counting_serving_checks(monkeypatch):
     """Counts full checks of either decode-step op."""
-    from tilegym_mamba2.cutile.serving import causal_conv1d_update, selective_state_update
+    from tilegym_mamba2.serving import causal_conv1d_update, selective_state_update
     calls = []
     for module, name in ((selective_state_update, "check_state_update_args"),
                          (causal_conv1d_update, "check_conv_update_args")):

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("cuda.tile")
 
 from test_cutile_plan import FORWARD_CASES, cpu_as_cuda, error_of, forward_inputs, recorded  # noqa: E402,F401
-from tilegym_mamba2.cutile import plan  # noqa: E402
+from tilegym_mamba2.runtime import plan  # noqa: E402
 
 
 def backward_inputs(**case):

@@ -4,9 +4,10 @@ import json
 from dataclasses import replace
 
 import torch
+import tilegym_mamba2
 
-from tilegym_mamba2.cutile import tuning
-from tilegym_mamba2.cutile.tuning import (MEASURE_ROUNDS, ConfigCache, bucket_key, candidates, chained_config,
+from tilegym_mamba2.runtime import tuning
+from tilegym_mamba2.runtime.tuning import (MEASURE_ROUNDS, ConfigCache, bucket_key, candidates, chained_config,
                                           choose_config, config_from_entry, tuned_config, whole_row_chunks)
 
 
@@ -67,7 +68,7 @@ def test_tunes_once_per_bucket_and_persists_across_processes(tmp_path, capsys):
 
 
 def test_tuning_is_on_by_default_and_off_during_graph_capture(monkeypatch):
-    from tilegym_mamba2.cutile.tuning import tuning_enabled
+    from tilegym_mamba2.runtime.tuning import tuning_enabled
     monkeypatch.delenv("TILEGYM_MAMBA2_TUNE", raising=False)
     assert tuning_enabled()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -119,7 +120,7 @@ def test_cache_keeps_only_the_measured_segment_length(tmp_path):
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
-    from tilegym_mamba2.cutile import tuning
+    from tilegym_mamba2.runtime import tuning
     monkeypatch.setenv("TILEGYM_MAMBA2_CACHE_DIR", str(tmp_path))
     assert tuning.cache_path() == str(tmp_path / "configs.json")
     tuned_config(key(1024), BASE, FakeTimer(best=1), tune=True, log=lambda m: None)
@@ -158,7 +159,7 @@ def test_compute_out_hints_follow_the_state_size():
 
 
 def test_the_one_launch_path_is_offered_for_short_16_bit_rows_only():
-    from tilegym_mamba2.cutile.tuning import CHAINED_SEGMENTS, chained_fits
+    from tilegym_mamba2.runtime.tuning import CHAINED_SEGMENTS, chained_fits
     prefill = choose_config(1, 2048, 1, 32, 64, 128, 128)
     found = candidates(prefill, 2048 // prefill.chunk_size, chained=True)
     chained = [c for c in found if c.chained]
@@ -222,7 +223,10 @@ def test_the_shipped_table_is_valid_and_installed():
         assert form.match(name), name
     setup = configparser.ConfigParser()
     setup.read(os.path.join(os.path.dirname(__file__), "..", "..", "setup.cfg"))
-    assert os.path.basename(tuning.SHIPPED_CONFIGS) in setup["options.package_data"]["tilegym_mamba2.cutile"]
+    folder = os.path.dirname(os.path.abspath(tuning.SHIPPED_CONFIGS))
+    root = os.path.dirname(os.path.abspath(tilegym_mamba2.__file__))
+    package = ".".join(["tilegym_mamba2", *os.path.relpath(folder, root).split(os.sep)])
+    assert os.path.basename(tuning.SHIPPED_CONFIGS) in setup["options.package_data"][package]
 
 
 def test_a_saved_chained_choice_counts_only_where_the_chained_path_is_wanted(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tilegym_mamba2.distributed.state_chain import slice_end_state
-from tilegym_mamba2.reference.end_state import end_state_reference
+from tilegym_mamba2.ssd.reference.end_state import end_state_reference
 
 CASES = [  # (batch, tokens, groups, heads, head_size, state_size, run starts, with a start state)
     (1, 1000, 1, 8, 64, 128, [0], False),

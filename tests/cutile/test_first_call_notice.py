@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("cuda.tile")
 
-from tilegym_mamba2.cutile import plan  # noqa: E402
+from tilegym_mamba2.runtime import plan  # noqa: E402
 
 
 def test_a_slow_first_call_says_what_it_is_doing_and_when_it_is_done(monkeypatch, capsys):

@@ -3,9 +3,9 @@ NaN first: every head size (padded tiles), D per head, per channel or absent, st
 import pytest
 import torch
 
-from tilegym_mamba2.cutile.gate_grads import gate_dy, gate_dz
-from tilegym_mamba2.cutile.launch import poisoned_outputs
-from tilegym_mamba2.reference.layer import gate_dy_reference, gate_dz_reference
+from tilegym_mamba2.ssd.gate_grads import gate_dy, gate_dz
+from tilegym_mamba2.runtime.launch import poisoned_outputs
+from tilegym_mamba2.ssd.reference.gate_grads import gate_dy_reference, gate_dz_reference
 from tilegym_mamba2.testing import relative_error
 
 SHAPES = [(2, 300, 8, 64), (1, 77, 3, 48), (1, 5, 80, 128), (3, 10, 2, 6)]

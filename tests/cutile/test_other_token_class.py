@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("cuda.tile")
 
-from tilegym_mamba2.core.validation import ForwardArgs  # noqa: E402
-from tilegym_mamba2.cutile import launch, other_token_class as other  # noqa: E402
+from tilegym_mamba2.core.validation import ForwardArgs, scan_combined_call, values  # noqa: E402
+from tilegym_mamba2.runtime import launch, other_token_class as other  # noqa: E402
 
 
 def test_the_other_classes_have_as_many_chunks_and_every_other_divisibility():
@@ -32,9 +32,10 @@ def test_meta_copies_move_the_token_axis_of_token_arguments_only():
     projected = torch.zeros(2, 48, 100)  # a layer's in_proj output: x is a view of it, rows 4800 apart
     view = projected[..., 10:42].view(2, 48, 4, 8)
     state = torch.zeros(2, 4, 8, 48)  # no token axis, even where a size equals the token count
-    args = ForwardArgs(x, torch.zeros(4), view, view, torch.zeros(4), torch.zeros(2, 48, 4), state, 128)
+    args = ForwardArgs(x=x, a=torch.zeros(4), b=view, c=view, d=torch.zeros(4), dt=torch.zeros(2, 48, 4), init_state=state,
+                       chunk_size=128)
     meta = other._on_meta("args", args, 48, 47)
-    assert type(meta) is ForwardArgs and all(t.device.type == "meta" for t in meta if isinstance(t, torch.Tensor))
+    assert type(meta) is ForwardArgs and all(t.device.type == "meta" for t in values(meta) if isinstance(t, torch.Tensor))
     assert meta.x.shape == (2, 47, 4, 8) and meta.x.stride() == (47 * 32, 32, 8, 1) and meta.x.dtype == torch.bfloat16
     assert meta.b.shape == (2, 47, 4, 8) and meta.b.stride() == (47 * 100, 100, 8, 1)
     assert meta.b.storage_offset() == 10 and meta.b.data_ptr() % 16 == view.data_ptr() % 16  # cuTile's alignment bit
@@ -179,12 +180,11 @@ def _replayed(replay, tokens, to_tokens, describe=_layout, **named):
 
 
 def _layer_args(tokens, with_z, packed, varlen=False, groups=2, state=128):
-    from tilegym_mamba2.core.validation import ScanCombinedArgs
     heads, head = 6, 64
     x = torch.zeros(1, tokens, heads, head, dtype=torch.bfloat16)
     b = torch.zeros(1, tokens, groups, state, dtype=torch.bfloat16)
     cu_seqlens = torch.tensor([0, tokens // 3, tokens], dtype=torch.int32) if packed else None
-    return ScanCombinedArgs(x, torch.zeros(1, tokens, heads), torch.zeros(heads), b, b.clone(), 128,
+    return scan_combined_call(x, torch.zeros(1, tokens, heads), torch.zeros(heads), b, b.clone(), 128,
                             torch.zeros(heads, head), torch.zeros_like(x) if with_z else None, torch.zeros(heads), None,
                             None, cu_seqlens, True, (0.0, float("inf")), False, varlen)
 
@@ -201,19 +201,18 @@ def _plain_args(count):
     from tilegym_mamba2.core.validation import BackwardArgs
     x = torch.zeros(2, count, 8, 64, dtype=torch.bfloat16)
     b = torch.zeros(2, count, 1, 128, dtype=torch.bfloat16)
-    return BackwardArgs(x, torch.zeros(8), b, b.clone(), torch.zeros(8), torch.zeros(2, count, 8),
-                        torch.zeros(2, 8, 64, 128), torch.zeros_like(x), torch.zeros(2, 8, 64, 128), 128)
+    return BackwardArgs(x=x, a=torch.zeros(8), b=b, c=b.clone(), d=torch.zeros(8), dt=torch.zeros(2, count, 8),
+                        init_state=torch.zeros(2, 8, 64, 128), dout=torch.zeros_like(x),
+                        dfinal_state=torch.zeros(2, 8, 64, 128), chunk_size=128)
 
 
 def _plain_replays(tokens):
     """The plain op's forward and backward replays, as backends/cutile.py gives them."""
-    from tilegym_mamba2.backends.cutile import KERNELS
-    from tilegym_mamba2.backward import chunk_backward
-    from tilegym_mamba2.cutile.forward import run_stages
-    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.backends.cutile import chunk_backward_replay
+    from tilegym_mamba2.ssd.forward import run_stages
+    from tilegym_mamba2.runtime.tuning import choose_config
     config = choose_config(2, tokens, 1, 8, 64, 128, 128)
-    return (lambda args: run_stages(*args[:7], args.chunk_size, config),
-            lambda args: chunk_backward(KERNELS, *args[:-1]))
+    return (lambda args: run_stages(*values(args)[:8], config), chunk_backward_replay)
 
 
 @pytest.mark.parametrize("with_z, packed, varlen", [(True, False, False), (False, False, False), (True, True, False),
@@ -224,8 +223,8 @@ def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launc
     With varlen states the backward's per-sequence terms take shapes only on meta tensors
     (backward.sequence_edge_terms), so that step replays too."""
     from tilegym_mamba2.backends import cutile as backend
-    from tilegym_mamba2.cutile.scan_combined import run_layer
-    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.ssd.layer import run_layer
+    from tilegym_mamba2.runtime.tuning import choose_config
     tokens = 500
     config = choose_config(1, tokens, 2, 6, 64, 128, 128)
 
@@ -234,10 +233,8 @@ def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launc
         run_layer(args, config=config, ungated=ungated)
         dfinal = torch.zeros(1, 6, 64, 128)
         dvarlen = torch.zeros(2, 6, 64, 128) if args.return_varlen_states else None
-        backend._checked_scan_combined_backward(
-            torch.zeros_like(args.x), dfinal, dvarlen, args.x, args.dt, args.A, args.B, args.C, args.chunk_size,
-            args.D, args.z, args.dt_bias, args.initial_states, args.seq_idx, args.cu_seqlens, args.dt_softplus,
-            args.dt_limit, ungated=ungated)
+        backend.scan_combined_backward_kernels(args, torch.zeros_like(args.x), dfinal, dvarlen, checked=True,
+                                               ungated=ungated)
     for to in other.other_class_counts(tokens):
         expected = _launches(lambda: step(_layer_args(to, with_z, packed, varlen=varlen)))
         args = _layer_args(tokens, with_z, packed, varlen=varlen)
@@ -250,7 +247,7 @@ def test_the_layer_replay_launches_what_a_training_step_of_the_other_count_launc
 def torch_on_a_gpu_machine(monkeypatch):
     """torch.cuda as on a machine with one GPU: get_device_properties refuses any other device,
     a replay's meta tensors' included, as torch does there."""
-    from tilegym_mamba2.cutile import tuning
+    from tilegym_mamba2.runtime import tuning
 
     class Properties:
         multi_processor_count = 132
@@ -278,7 +275,7 @@ def test_every_replay_runs_where_torch_has_a_gpu(torch_on_a_gpu_machine, monkeyp
     the backward's scans call with x's device): on meta tensors that must not raise, or no backward
     is ever compiled ahead. Each replay of cutile's backend queues its launches; none fails."""
     from tilegym_mamba2.backends import cutile as backend
-    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.runtime.tuning import choose_config
     with pytest.raises(ValueError):
         torch.cuda.get_device_properties(torch.device("meta"))
     queued = []
@@ -335,31 +332,29 @@ def test_the_replays_cover_every_later_count(heads, first, then):
     [batch, tokens, heads] fp32 row is 24 tokens bytes, a multiple of 16 only for even counts; a
     packed row's sequence ids, 4 tokens bytes."""
     from tilegym_mamba2.backends import cutile as backend
-    from tilegym_mamba2.backends.cutile import KERNELS
-    from tilegym_mamba2.backward import chunk_backward
-    from tilegym_mamba2.core.validation import BackwardArgs, ScanCombinedArgs
-    from tilegym_mamba2.cutile.forward import run_stages
-    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.backends.cutile import chunk_backward_replay
+    from tilegym_mamba2.core.validation import BackwardArgs
+    from tilegym_mamba2.ssd.forward import run_stages
+    from tilegym_mamba2.runtime.tuning import choose_config
 
     def plain(count):
         x = torch.zeros(2, count, heads, 64, dtype=torch.bfloat16)
         b = torch.zeros(2, count, 1, 128, dtype=torch.bfloat16)
-        return {"args": BackwardArgs(x, torch.zeros(heads), b, b.clone(), torch.zeros(heads),
-                                     torch.zeros(2, count, heads), None, torch.zeros_like(x),
-                                     torch.zeros(2, heads, 64, 128), 256)}
+        return {"args": BackwardArgs(x=x, a=torch.zeros(heads), b=b, c=b.clone(), d=torch.zeros(heads),
+                                     dt=torch.zeros(2, count, heads), dout=torch.zeros_like(x),
+                                     dfinal_state=torch.zeros(2, heads, 64, 128), chunk_size=256)}
 
     def layer(count, with_z, packed):
         x = torch.zeros(1, count, heads, 64, dtype=torch.bfloat16)
         b = torch.zeros(1, count, 1, 128, dtype=torch.bfloat16)
         cu_seqlens = torch.tensor([0, count // 3, count], dtype=torch.int32) if packed else None
-        args = ScanCombinedArgs(x, torch.zeros(1, count, heads), torch.zeros(heads), b, b.clone(), 256,
+        args = scan_combined_call(x, torch.zeros(1, count, heads), torch.zeros(heads), b, b.clone(), 256,
                                 torch.zeros(heads), torch.zeros_like(x) if with_z else None, torch.zeros(heads),
                                 None, None, cu_seqlens, True, (0.0, float("inf")), False, False)
         return {"args": args, "ungated": torch.zeros_like(x) if with_z and not packed else None}
 
     config = choose_config(2, first, 1, heads, 64, 128, 256)
-    cases = [(lambda args: run_stages(*args[:7], args.chunk_size, config), plain),
-             (lambda args: chunk_backward(KERNELS, *args[:-1]), plain)]
+    cases = [(lambda args: run_stages(*values(args)[:8], config), plain), (chunk_backward_replay, plain)]
     cases += [(backend._layer_replay(config, training=True), lambda count, z=z, p=p: layer(count, z, p))
               for z, p in ((True, False), (False, False), (False, True))]
     for replay, inputs in cases:
@@ -376,7 +371,7 @@ def test_a_layer_step_then_a_plain_op_step_compile_no_other_class_themselves(tor
     compiles, through its kernel's _compile (hooked or not), each signature not compiled before,
     then the backend queues its other classes. The later class's steps compile nothing themselves."""
     from tilegym_mamba2.backends import cutile as backend
-    from tilegym_mamba2.cutile.tuning import choose_config
+    from tilegym_mamba2.runtime.tuning import choose_config
     monkeypatch.setattr(other, "KernelSignature", Signature)
     monkeypatch.setattr(other, "get_parameter_constraints_from_pyargs",
                         lambda kernel, args, convention: tuple(_specialization(a) for a in args))

@@ -15,7 +15,7 @@ SCRIPT = r'''
 import json, sys, threading, torch
 import cuda.tile._compile as tile_compile
 import tilegym_mamba2 as tm
-from tilegym_mamba2.cutile import other_token_class as other
+from tilegym_mamba2.runtime import other_token_class as other
 
 # Every compile this process's main thread runs, ours or not (cuTile imports compile_tile at call time).
 main_thread_compiles = [0]

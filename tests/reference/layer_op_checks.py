@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import tilegym_mamba2
-from tilegym_mamba2.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
 from tilegym_mamba2.testing import relative_error as rel_err
 
 HEADS, HEAD_SIZE, STATE, GROUPS = 4, 8, 16, 2

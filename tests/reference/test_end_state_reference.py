@@ -2,8 +2,8 @@
 sequence alone (reference/scan.py) in float64."""
 import torch
 
-from tilegym_mamba2.reference.end_state import decay_after, end_state_reference, run_mask
-from tilegym_mamba2.reference.scan import scan_reference
+from tilegym_mamba2.ssd.reference.end_state import decay_after, end_state_reference, run_mask
+from tilegym_mamba2.ssd.reference.scans import scan_reference
 
 F64 = torch.float64
 

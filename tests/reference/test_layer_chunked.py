@@ -4,7 +4,7 @@ row and per-sequence initial states, D, z, varlen and final states."""
 import pytest
 import torch
 
-from tilegym_mamba2.reference.layer import chunked_layer_reference, layer_token_recurrence
+from tilegym_mamba2.ssd.reference.layer import chunked_layer_reference, layer_token_recurrence
 from tilegym_mamba2.testing import relative_error as rel_err
 
 HEADS, HEAD_SIZE, GROUPS, STATE = 4, 8, 2, 16
@@ -52,7 +52,7 @@ def test_seq_idx_rows_with_row_initial_states():
 
 
 def test_without_sequences_it_is_the_plain_chunked_forward():
-    from tilegym_mamba2.reference.ssd import chunked_forward_reference
+    from tilegym_mamba2.ssd.reference.forward import chunked_forward_reference
     data, gen = inputs(2, 150, seed=2)
     d = torch.randn(HEADS, generator=gen, dtype=torch.float64)
     out, final, _ = chunked_layer_reference(data["x"], data["dt"], data["A"], data["B"], data["C"], d, chunk_size=64)

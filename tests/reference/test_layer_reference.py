@@ -9,8 +9,9 @@ import torch
 
 import tilegym_mamba2
 from tilegym_mamba2.core.packing import seq_idx_from_cu_seqlens, sequence_runs
-from tilegym_mamba2.reference.layer import layer_token_recurrence, process_dt
-from tilegym_mamba2.reference.ssd import token_recurrence
+from tilegym_mamba2.ssd.dt import process_dt
+from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
+from tilegym_mamba2.ssd.reference.forward import token_recurrence
 from tilegym_mamba2.testing import relative_error as rel_err
 
 from layer_op_checks import (HEADS, HEAD_SIZE, STATE, TOL_BF16, all_options, lengths_to_cu,  # tests/reference/

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch
-from tilegym_mamba2.reference.ssd import (
+from tilegym_mamba2.ssd.reference.forward import (
     LOG2E,
     chunk_output_reference,
     chunk_states_reference,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tilegym_mamba2.backends.pytorch import mamba2_chunk_forward_pytorch
-from tilegym_mamba2.reference.ssd import LOG2E, chunked_forward_reference, decay_cumsum_reference, token_recurrence
+from tilegym_mamba2.ssd.reference.forward import LOG2E, chunked_forward_reference, decay_cumsum_reference, token_recurrence
 from tilegym_mamba2.testing import (COTANGENTS, FORWARD_ARGS, FORWARD_REFERENCES, GRADIENT_REFERENCES,
                                     Mamba2ProblemSpec, forward_inputs)
 from tilegym_mamba2.testing import relative_error as rel_err

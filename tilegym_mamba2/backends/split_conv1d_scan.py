@@ -13,24 +13,16 @@ mamba_chunk_scan_combined on the chosen backend (the time-consuming part); the c
 torch's depthwise conv1d (with packed sequences, the pytorch backend's causal_conv1d_fn, which
 masks across sequence boundaries), since our convolution kernels have no backward; the norm and
 the projections are torch's. HF transformers' Mamba-2 mixers call it in training mode
-(integrations/hf/patch.py). The registry's targets for both backends are here.
+(integrations/hf/patch.py). Each backend module's registry target calls split_conv1d_scan with its
+Backend object.
 """
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
-from ..core.serving_validation import CONV_WIDTHS
-from .pytorch import causal_conv1d_fn_pytorch
-
-
-def split_conv1d_scan_cutile(*args, **kwargs):
-    """The registry's "cutile" backend: the scan on our cuTile kernels."""
-    return split_conv1d_scan(*args, **kwargs, backend="cutile")
-
-
-def split_conv1d_scan_pytorch(*args, **kwargs):
-    """The registry's "pytorch" backend: the scan on the PyTorch reference (float64 for float64)."""
-    return split_conv1d_scan(*args, **kwargs, backend="pytorch")
+from ..core.validation import ScanCombinedArgs
+from ..runtime import limits
+from ..serving.reference import causal_conv1d_reference
+from ..serving.validation import CONV_WIDTHS, check_conv_args
 
 
 def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=None,
@@ -48,10 +40,10 @@ def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
         dt_limit: (low, high);  activation: None, "silu" or "swish" (of the convolution).
         rmsnorm_weight: [dim] or None (no norm: the scan gates by z);  rmsnorm_eps.
         outproj_weight: [out_dim, dim + d_nonssm] or None;  outproj_bias: [out_dim] or None.
-        backend: the scan's backend.
+        backend: the scan's Backend object (backends/base.py).
         conv, scan: stand-ins for the convolution (causal_conv1d_differentiable's arguments) and the
-            scan (scan_combined_on's, without backend), for compositions that split the tokens
-            over ranks (distributed/).
+            scan (a ScanCombinedArgs -> its returns, as backend.scan_combined), for compositions that
+            split the tokens over ranks (distributed/).
 
     Returns out [batch, seqlen, out_dim or dim + d_nonssm], and final_states
     [batch, nheads, headdim, dstate] fp32 with return_final_states.
@@ -68,11 +60,11 @@ def split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
     x = x.reshape(batch, seqlen, nheads, headdim)
     B, C = B.reshape(batch, seqlen, ngroups, dstate), C.reshape(batch, seqlen, ngroups, dstate)
     z = z.reshape(batch, seqlen, nheads, headdim)
-    if scan is None:
-        def scan(*args):
-            return dispatch.scan_combined_on(backend, *args)
-    scanned = scan(x, dt, A, B, C, chunk_size, D, z if rmsnorm_weight is None else None, dt_bias, initial_states,
-                   seq_idx, None, True, dt_limit, return_final_states, False)
+    call = ScanCombinedArgs(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D,
+                            z=z if rmsnorm_weight is None else None, dt_bias=dt_bias, initial_states=initial_states,
+                            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+                            return_final_states=return_final_states)
+    scanned = backend.scan_combined(call) if scan is None else scan(call)
     y, final_states = scanned if return_final_states else (scanned, None)
     y = y.reshape(batch, seqlen, dim)
     if rmsnorm_weight is not None:
@@ -92,8 +84,8 @@ def causal_conv1d_differentiable(x, weight, bias=None, seq_idx=None, initial_sta
     where it applies, the pytorch backend's causal_conv1d_fn with packed sequences or states (our
     cuTile convolution has no backward). Training paths use it (here and integrations/hf/patch.py)."""
     if seq_idx is not None or initial_states is not None or return_final_states:
-        return causal_conv1d_fn_pytorch(x, weight, bias, seq_idx, initial_states, return_final_states,
-                                        final_states_out, activation)
+        return causal_conv1d_reference(check_conv_args(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                                       final_states_out, activation, limits=limits.PYTORCH))
     # In the wider of the two dtypes (a bf16 model's own conv runs in bf16; fp32 weights keep fp32).
     dtype = torch.promote_types(x.dtype, weight.dtype)
     width = weight.shape[1]

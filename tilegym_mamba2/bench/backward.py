@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..reference.ssd import chunked_forward_reference
+from ..ssd.reference.forward import chunked_forward_reference
 from ..testing import Mamba2ProblemSpec, forward_inputs
 from .forward import ANCHOR_SHAPES, floor_bytes, measure
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..reference.ssd import chunked_forward_reference
+from ..ssd.reference.forward import chunked_forward_reference
 from ..testing import Mamba2ProblemSpec, forward_inputs
 
 ANCHOR_SHAPES = [  # (batch, tokens, groups, heads, state_size, head_size): docs/performance.md's forward rows
@@ -177,17 +177,19 @@ def stage_times(shapes, log=print):
     """Our op stage by stage (median ms each, L2 flushed), next to the whole call: where the
     time goes, and how much of the call is host work between launches."""
     import importlib
-    from ..core.validation import check_forward_args
-    from ..cutile.forward import config_for
-    stages = {n: importlib.import_module(f"tilegym_mamba2.cutile.{n}")
+    from ..core.validation import check_forward_args, values
+    from ..runtime.limits import CUTILE as CUTILE_LIMITS
+    from ..ssd.forward import config_for
+    stages = {n: importlib.import_module(f"tilegym_mamba2.ssd.{n}")
               for n in ("chunk_cumsum", "fwd_pass_state", "compute_out")}
     from .. import mamba2_chunk_forward
     rows = []
     for shape in shapes:
         spec = Mamba2ProblemSpec.from_shape(shape, chunk_size=128, device="cuda")
         inputs = forward_inputs(spec.get_sample_inputs(with_reference=False, with_backward=False))
-        x, a, b, c, d, dt, init, _ = args = check_forward_args(**inputs, backend="cutile")
-        config = config_for(*args)
+        args = check_forward_args(**inputs, limits=CUTILE_LIMITS)
+        x, a, b, c, d, dt, init = args.x, args.a, args.b, args.c, args.d, args.dt, args.init_state
+        config = config_for(*values(args))
         chunk = config.chunk_size
         dt_bht, g = stages["chunk_cumsum"].chunk_cumsum(dt, a, chunk)
         entry, final = stages["fwd_pass_state"].fwd_pass_state(x, b, dt_bht, g, init, chunk, config)

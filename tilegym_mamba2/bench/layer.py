@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..reference.layer import chunked_layer_reference, process_dt
+from ..ssd.dt import process_dt
+from ..ssd.reference.layer import chunked_layer_reference
 from .forward import measure
 
 

@@ -23,6 +23,8 @@ packing checks already make; when every sum is finite the kernels run on the inp
 sum overflows to inf only for values near fp32's limit: such a call takes the quarantine, which
 is right for any input.
 """
+import dataclasses
+
 import torch
 
 from .packing import per_sequence_init, seq_idx_from_cu_seqlens
@@ -151,6 +153,6 @@ def quarantine_layer(args, dout=None, dfinal_states=None, dvarlen_states=None):
         quarantine.mark_row_firsts(args.initial_states)
     quarantine.mark_row_lasts(dfinal_states)
     quarantine.mark_sequences(dvarlen_states)
-    clean = args._replace(x=cleaned(x), dt=cleaned(args.dt), B=cleaned(args.B), C=cleaned(args.C),
+    clean = dataclasses.replace(args, x=cleaned(x), dt=cleaned(args.dt), B=cleaned(args.B), C=cleaned(args.C),
                           z=cleaned(args.z), initial_states=cleaned(args.initial_states))
     return quarantine, clean, tuple(map(cleaned, grads))

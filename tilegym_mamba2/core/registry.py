@@ -9,7 +9,6 @@ import importlib.resources
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 import yaml
 
 
@@ -89,21 +88,90 @@ def implementation(op: str, backend: str) -> Callable:
     return resolve(entry.backends[backend])
 
 
-def preferred_backend(op: str) -> str:
-    """"cutile" where the op has our kernels, else its fallback."""
-    entry = shipped_registry()[op]
-    return "cutile" if "cutile" in entry.backends else entry.fallback
+@dataclass(frozen=True)
+class Backends:
+    """ops_registry.yaml's ``backends:`` (name -> "module:object", a backends/base.py Backend)
+    and ``by_device:`` (a tensor's device type -> the backend a call without backend= takes;
+    other devices take each op's fallback)."""
+    targets: dict
+    by_device: dict
+
+
+def load_backends(text: str | None = None) -> Backends:
+    data = yaml.safe_load(registry_text() if text is None else text) or {}
+    targets, by_device = dict(data.get("backends") or {}), dict(data.get("by_device") or {})
+    for name, target in targets.items():
+        if not isinstance(target, str) or target.count(":") != 1:
+            raise ValueError(f"ops_registry.yaml: backends.{name} must be 'module:object', got {target!r}")
+    for device, name in by_device.items():
+        if name not in targets:
+            raise ValueError(f"ops_registry.yaml: by_device.{device} {name!r} is not one of backends {sorted(targets)}")
+    return Backends(targets, by_device)
+
+
+@functools.cache
+def shipped_backends() -> Backends:
+    return load_backends()
+
+
+# Resolved backend objects and per-(op, device type) choices: plain dicts, which torch.compile
+# traces through (the yaml lookups behind them import modules, which it cannot).
+_objects: dict = {}
+_choices: dict = {}
+
+
+def backend_object(name: str):
+    """The Backend object named ``name``, resolved once."""
+    found = _objects.get(name)
+    if found is None:
+        targets = shipped_backends().targets
+        if name not in targets:
+            raise ValueError(f"backend must be one of {sorted(targets)}, got {name!r}")
+        found = _objects[name] = resolve(targets[name])
+    return found
 
 
 def backend_for(op: str, backend, x) -> str:
-    """The backend a call runs on: the one asked for, else our kernels for CUDA tensors (the
-    registry's preference) and the pytorch backend for others."""
+    """The backend a call runs on: the one asked for, else the one ops_registry.yaml's by_device
+    names for x's device (our kernels for CUDA tensors), or the op's fallback."""
     if backend is not None:
         return backend
-    if not getattr(x, "is_cuda", False):
-        return "pytorch"
-    # While torch.compile traces, the registry's lookup is not traceable; every op has our kernels.
-    return "cutile" if torch.compiler.is_compiling() else preferred_backend(op)
+    device = getattr(getattr(x, "device", None), "type", "cpu")
+    choice = _choices.get((op, device))
+    return _choose(op, device) if choice is None else choice
+
+
+def _choose(op: str, device: str) -> str:
+    entry = shipped_registry()[op]
+    named = shipped_backends().by_device.get(device)
+    choice = _choices[(op, device)] = named if named in entry.backends else entry.fallback
+    _allowed[op] = frozenset(entry.backends)
+    return choice
+
+
+_allowed: dict = {}  # op -> its backend names
+
+
+def backend_of(op: str, backend, x):
+    """backend_for's choice as its Backend object; a name ``op`` has no backend of is refused, naming it."""
+    name = backend_for(op, backend, x)
+    allowed = _allowed.get(op)
+    if allowed is None:
+        _choose(op, "cpu")
+        allowed = _allowed[op]
+    if name not in allowed:
+        raise ValueError(f"backend must be one of {sorted(allowed)} for {op}, got {name!r}")
+    return backend_object(name)
+
+
+def prepare() -> None:
+    """Resolves every backend and every op's choice per device ahead of any call (the package's
+    import runs it): calls under torch.compile then find them in plain dicts."""
+    for name in shipped_backends().targets:
+        backend_object(name)
+    for op in shipped_registry():
+        for device in ("cpu", "cuda", "meta"):
+            _choose(op, device)
 
 
 def install(entries: dict | None = None) -> bool:

@@ -1,15 +1,8 @@
 """Small tensor helpers and constants shared by the kernels, the references, the backward and the
 backends."""
-import math
-
 import torch
 
-# Decay sums are kept in base 2 (kernels take exp2, a single instruction): exp(v) = exp2(v * LOG2E).
-LOG2E = math.log2(math.e)
-# The log decay a * dt is kept at or above this: exp(-1000) is 0 in fp32 and float64 alike, so the
-# decay past it is the total one the recurrence gives, and a = -inf (or an a * dt past fp32's
-# range) no longer makes the chunked sums' differences inf - inf = NaN.
-LOG_DECAY_FLOOR = -1000.0
+from .constants import LOG_DECAY_FLOOR
 
 
 def log_decay(a: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -27,7 +20,10 @@ def pow2_at_least(n: int) -> int:
 
 def compute_dtype(*tensors) -> torch.dtype:
     """The dtype the PyTorch paths compute in: float64 when any input is float64, else float32."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    for t in tensors:  # a loop, not any(generator): no Python frame per tensor
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
 
 
 def expand_groups(bc: torch.Tensor, heads: int) -> torch.Tensor:

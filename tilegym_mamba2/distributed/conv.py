@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.split_conv1d_scan import causal_conv1d_differentiable
-from ..core.serving_validation import check_conv_args
+from ..runtime.limits import PYTORCH as PYTORCH_LIMITS
+from ..serving.validation import check_conv_args
 from .agreement import agree, all_gather, check_group_device, edge_ids, fingerprints, group_or_world
 from .lockstep import HALO_BACKWARD, in_step
 
@@ -72,7 +73,7 @@ def context_parallel_causal_conv1d(x, weight, bias=None, seq_idx=None, activatio
 
     def check():
         check_group_device(group, x.device)
-        check_conv_args(x, weight, bias, seq_idx, None, False, None, activation, backend="pytorch")
+        check_conv_args(x, weight, bias, seq_idx, None, False, None, activation, limits=PYTORCH_LIMITS)
 
     def signature():
         return {"x's [batch, dim]": tuple(x.shape[:2]), "x's dtype": str(x.dtype), "weight's shape": tuple(weight.shape),

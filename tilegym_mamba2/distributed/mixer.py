@@ -6,8 +6,9 @@ single-GPU forms. The norm and the projections act token by token and need nothi
 import torch
 
 from ..backends.split_conv1d_scan import check_mixer_args, split_conv1d_scan
-from ..core.registry import backend_for
-from ..core.serving_validation import check_conv_args
+from ..core.registry import backend_of
+from ..runtime.limits import PYTORCH as PYTORCH_LIMITS
+from ..serving.validation import check_conv_args
 from ..core.validation import check_scan_combined_args
 from .agreement import agree, check_group_device, edge_ids, fingerprints, group_or_world
 from .conv import conv_slice
@@ -27,7 +28,7 @@ def context_parallel_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bi
     rank. Returns this rank's out, then the global final states on every rank if asked.
     Differentiable as context_parallel_scan_combined (weight gradients: this rank's share)."""
     group = group_or_world(group)
-    backend = backend_for("mamba2_split_conv1d_scan_combined", backend, zxbcdt)
+    backend = backend_of("mamba2_split_conv1d_scan_combined", backend, zxbcdt)
     width = conv1d_weight.shape[1] if isinstance(conv1d_weight, torch.Tensor) and conv1d_weight.ndim == 2 else 1
     tokens = zxbcdt.shape[1] if isinstance(zxbcdt, torch.Tensor) and zxbcdt.ndim == 3 else 0
 
@@ -39,13 +40,13 @@ def context_parallel_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bi
         batch, dim = zxbcdt.shape[0], nheads * hd
         _, _, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         check_conv_args(xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx, None, False, None, activation,
-                        backend="pytorch")
+                        limits=PYTORCH_LIMITS)
         # The scan's checks, on views of zxbcdt's channels (the convolution keeps their shapes).
         x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         check_scan_combined_args(x.reshape(batch, tokens, nheads, hd), dt, A, B.reshape(batch, tokens, ngroups, dstate),
                                  C.reshape(batch, tokens, ngroups, dstate), chunk_size, D, None, dt_bias,
                                  initial_states, seq_idx, None, True, dt_limit, return_final_states, False,
-                                 backend=backend)
+                                 limits=backend.limits)
 
     def signature():
         def shape(t):
@@ -57,7 +58,7 @@ def context_parallel_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bi
                 "return_final_states": return_final_states, "activation": activation,
                 "rmsnorm_weight's shape": shape(rmsnorm_weight), "rmsnorm_eps": rmsnorm_eps,
                 "outproj_weight's shape": shape(outproj_weight), "outproj_bias's shape": shape(outproj_bias),
-                "headdim": headdim, "ngroups": ngroups, "norm_before_gate": norm_before_gate, "backend": backend,
+                "headdim": headdim, "ngroups": ngroups, "norm_before_gate": norm_before_gate, "backend": backend.name,
                 **fingerprints(conv1d_weight=conv1d_weight, conv1d_bias=conv1d_bias, dt_bias=dt_bias, A=A, D=D,
                                initial_states=initial_states, rmsnorm_weight=rmsnorm_weight,
                                outproj_weight=outproj_weight, outproj_bias=outproj_bias)}
@@ -67,10 +68,8 @@ def context_parallel_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bi
     def conv(x, weight, bias, seq_idx, activation):
         return conv_slice(layout, group, x, weight, bias, seq_idx, activation=activation)
 
-    def scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-             return_final_states, return_varlen_states):
-        return scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                          cu_seqlens, dt_softplus, dt_limit, return_final_states)
+    def scan(call):
+        return scan_slice(layout, group, backend, call)
 
     return split_conv1d_scan(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
                              dt_limit, return_final_states, activation, rmsnorm_weight, rmsnorm_eps, outproj_weight,

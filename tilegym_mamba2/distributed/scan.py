@@ -1,7 +1,7 @@
 """context_parallel_scan_combined: mamba_chunk_scan_combined over a sequence split along tokens.
 
 Each rank first computes the end state of its slice's last sequence from a zero entering state
-(reference/end_state.py, cutile/end_state.py); one all-gather of these summaries and
+(the backend's end_state: ssd/reference/end_state.py, ssd/end_state.py); one all-gather of these summaries and
 the slices' decays (state_chain.StateChain) gives every rank the state entering its slice; then
 the single-GPU op runs on the slice with that state as its first sequence's initial state, so
 the outputs come from our fused kernels in one pass. Autograd runs through all of it: the op's
@@ -13,10 +13,9 @@ import dataclasses
 
 import torch
 
-from ..backends import dispatch
-from ..core.registry import backend_for
-from ..core.validation import check_scan_combined_args
-from ..reference.layer import process_dt
+from ..core.registry import backend_of
+from ..core.validation import ScanCombinedArgs, check_scan_combined_args, scan_combined_call
+from ..ssd.dt import process_dt
 from .agreement import agree, check_group_device, edge_ids, fingerprints, group_or_world
 from .state_chain import StateChain, slice_end_state
 
@@ -44,42 +43,46 @@ def context_parallel_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, d
     Every rank must make the call, and run backward, together.
     """
     group = group_or_world(group)
-    backend = backend_for("mamba2_chunk_scan_combined", backend, x)
-    layout = agree_scan(group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                        cu_seqlens, dt_softplus, dt_limit, return_final_states)
-    return scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                      cu_seqlens, dt_softplus, dt_limit, return_final_states)
+    backend = backend_of("mamba2_chunk_scan_combined", backend, x)
+    call = scan_combined_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                              dt_softplus, dt_limit, return_final_states)
+    return scan_slice(agree_scan(group, backend, call), group, backend, call)
 
 
-def scan_signature(x, B, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-                   return_final_states, backend):
+def scan_signature(call: ScanCombinedArgs, backend):
     """What must agree across ranks, by argument."""
     def shape(t):
         return None if t is None else tuple(t.shape)
+    x, B, D, z, dt_bias, cu_seqlens = call.x, call.B, call.D, call.z, call.dt_bias, call.cu_seqlens
+    chunk_size, initial_states, seq_idx = call.chunk_size, call.initial_states, call.seq_idx
+    dt_softplus, dt_limit, return_final_states = call.dt_softplus, call.dt_limit, call.return_final_states
     return {"x's [batch, heads, head_size]": (x.shape[0], *x.shape[2:]), "x's dtype": str(x.dtype),
             "B's [groups, state_size]": tuple(B.shape[2:]), "chunk_size": chunk_size, "D's shape": shape(D),
             "z (given or not)": z is not None, "dt_bias (given or not)": dt_bias is not None,
             "initial_states' shape": shape(initial_states), "seq_idx (given or not)": seq_idx is not None,
             "cu_seqlens": None if cu_seqlens is None else cu_seqlens.tolist(), "dt_softplus": dt_softplus,
             "dt_limit": tuple(float(v) for v in dt_limit), "return_final_states": return_final_states,
-            "backend": backend}
+            "backend": backend.name}
 
-def agree_scan(group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-               dt_softplus, dt_limit, return_final_states):
+
+def agree_scan(group, backend, call: ScanCombinedArgs):
     """Checks this rank's slice, then agree(); raises on every rank if any rank is wrong."""
+    x, dt, A, B, C, D, z, dt_bias = call.x, call.dt, call.A, call.B, call.C, call.D, call.z, call.dt_bias
+    initial_states, seq_idx, cu_seqlens = call.initial_states, call.seq_idx, call.cu_seqlens
+
     def check():
         check_group_device(group, x.device if isinstance(x, torch.Tensor) else torch.device("cpu"))
         if cu_seqlens is not None and seq_idx is not None:
             raise ValueError("give seq_idx (this rank's slice) or cu_seqlens (the global offsets), not both")
         per_sequence = cu_seqlens is not None and initial_states is not None
-        check_scan_combined_args(x, dt, A, B, C, chunk_size, D, z, dt_bias, None if per_sequence else initial_states,
-                                 seq_idx, None, dt_softplus, dt_limit, return_final_states, False, backend=backend)
+        check_scan_combined_args(x, dt, A, B, C, call.chunk_size, D, z, dt_bias,
+                                 None if per_sequence else initial_states, seq_idx, None, call.dt_softplus,
+                                 call.dt_limit, call.return_final_states, False, limits=backend.limits)
         if cu_seqlens is not None:
             _check_global_offsets(cu_seqlens, x, initial_states)
 
     layout = agree(OP, group, check,
-                   lambda: {**scan_signature(x, B, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                                             dt_softplus, dt_limit, return_final_states, backend),
+                   lambda: {**scan_signature(call, backend),
                             **fingerprints(A=A, D=D, dt_bias=dt_bias, initial_states=initial_states)},
                    x.shape[1] if isinstance(x, torch.Tensor) and x.ndim == 4 else 0,
                    lambda: edge_ids(seq_idx, x.shape[0], x.shape[1], 0))
@@ -141,8 +144,7 @@ def _local_sequences(layout, cu_seqlens, initial_states, device):
     return torch.tensor(local, dtype=cu_seqlens.dtype, device=device), own, offsets[seqs[0]] < lo
 
 
-def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-               cu_seqlens, dt_softplus, dt_limit, return_final_states):
+def scan_slice(layout, group, backend, call: ScanCombinedArgs):
     """This rank's part of the call, after agree_scan: its last sequence's end state from zero
     (state_chain.slice_end_state), the chain's all-gather, then the single-GPU op on the slice
     with the entering state as its first sequence's initial state.
@@ -151,9 +153,11 @@ def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias
     own initial state, on every rank (rank 0 included, whose chain link is never taken): out then
     depends on the chain on every rank, so a loss on out alone runs the chain's backward, with its
     collectives, on every rank (lockstep.py)."""
+    x, dt, A, B, dt_bias, seq_idx = call.x, call.dt, call.A, call.B, call.dt_bias, call.seq_idx
+    initial_states, cu_seqlens = call.initial_states, call.cu_seqlens
     rank, tokens = layout.rank, x.shape[1]
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dt_used = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=dtype)
+    dt_used = process_dt(dt, dt_bias, call.dt_softplus, call.dt_limit, dtype=dtype)
     log_decay = A.to(dtype) * dt_used
     last_start = [tokens - n for n in layout.last_run[rank]]
     if cu_seqlens is not None:
@@ -186,6 +190,7 @@ def scan_slice(layout, group, backend, x, dt, A, B, C, chunk_size, D, z, dt_bias
             else torch.where(torch.tensor(rank == 0, device=x.device), initial_states.to(entering.dtype), 0.0)
         init = torch.where(link, entering, own)
         local_seq_idx = seq_idx if rank == 0 or seq_idx is None else seq_idx - seq_idx[:, :1]
-    y = dispatch.scan_combined_on(backend, x, dt, A, B, C, chunk_size, D, z, dt_bias, init, local_seq_idx, local_cu,
-                                  dt_softplus, dt_limit, False, False)
-    return (y, final_states) if return_final_states else y
+    y = backend.scan_combined(dataclasses.replace(call, initial_states=init, seq_idx=local_seq_idx,
+                                                  cu_seqlens=local_cu, return_final_states=False,
+                                                  return_varlen_states=False))
+    return (y, final_states) if call.return_final_states else y

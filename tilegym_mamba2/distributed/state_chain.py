@@ -12,8 +12,6 @@ are selects, not multiplications, so a NaN of one sequence never reaches another
 """
 import torch
 
-from ..cutile.end_state import end_state, end_state_grads
-from ..reference.end_state import decay_after, end_state_reference, only_the_run, run_mask
 from .agreement import all_gather
 from .lockstep import CHAIN_BACKWARD, in_step
 
@@ -65,40 +63,6 @@ class StateChain(torch.autograd.Function):
         return d_end, d_log, None, None
 
 
-class _EndStateOnKernels(torch.autograd.Function):
-    """end_state_reference on our kernels (cutile/end_state.py), forward and backward."""
-
-    @staticmethod
-    def forward(ctx, x, B, dt, log_decay, run_start, start_state):
-        starts = torch.tensor(run_start, dtype=torch.int32, device=x.device)
-        inside = run_mask(run_start, x.shape[1], x.device)
-        run = (x, B, dt.float(), log_decay.float())
-        if max(run_start) > 0:  # a sequence boundary in the slice: only the last run's tokens count
-            run = only_the_run(inside, *run)
-        state = end_state(*run)
-        run_decay = torch.where(inside[..., None], log_decay, 0.0).sum(1)[..., None, None]
-        if start_state is not None:
-            state = state + torch.exp(run_decay) * start_state
-        ctx.save_for_backward(x, B, dt, log_decay, start_state, starts, run_decay, inside)
-        return state
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, B, dt, log_decay, start_state, starts, run_decay, inside = ctx.saved_tensors
-        after = decay_after(log_decay.float(), inside)
-        weighted = torch.where(inside[:, None, :], after * dt.float().transpose(1, 2), 0.0)
-        dx, d_weight, q, db = end_state_grads(x, B, weighted, after, grad.float(), starts)
-        d_log = q.cumsum(-1) - q                                     # sum of q over the tokens before
-        d_start = None
-        if start_state is not None:  # exp(run decay) S_0: every token of the run's decay
-            d_start = torch.exp(run_decay) * grad
-            d_log = d_log + torch.where(inside[:, None, :], (d_start * start_state).sum((-1, -2))[..., None], 0.0)
-        return (dx, db.to(B.dtype), d_weight.transpose(1, 2).to(dt.dtype), d_log.transpose(1, 2).to(log_decay.dtype),
-                None, d_start)
-
-
 def slice_end_state(backend, x, B, dt, log_decay, run_start, start_state=None):
-    """This rank's summary: end_state_reference on ``backend`` (the kernels for "cutile")."""
-    if backend == "cutile" and x.is_cuda:
-        return _EndStateOnKernels.apply(x, B, dt, log_decay, run_start, start_state)
-    return end_state_reference(x, B, dt, log_decay, run_start, start_state)
+    """This rank's summary: the end state of its last run on ``backend`` (a Backend object)."""
+    return backend.end_state(x, B, dt, log_decay, run_start, start_state)

@@ -15,16 +15,18 @@ import torch
 import torch.nn.functional as F
 
 from .errors import relative_error
+from .mamba3 import MAMBA3_ARGS, Mamba3ProblemSpec
 from ..core.tensors import expand_groups
 from ..core.validation import CHUNK_SIZES
-from ..reference.ssd import (
+from ..ssd.reference.forward import (
     LOG2E,
     chunk_output_reference,
     chunk_states_reference,
     decay_cumsum_reference,
 )
 
-__all__ = ["COTANGENTS", "FORWARD_ARGS", "FORWARD_REFERENCES", "GRADIENT_REFERENCES", "Mamba2ProblemSpec", "relative_error",
+__all__ = ["COTANGENTS", "FORWARD_ARGS", "FORWARD_REFERENCES", "GRADIENT_REFERENCES", "MAMBA3_ARGS", "Mamba2ProblemSpec",
+           "Mamba3ProblemSpec", "relative_error",
            "forward_inputs"]
 
 # The keyword arguments of the forward op, in signature order.

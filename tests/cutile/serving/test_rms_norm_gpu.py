@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.cutile.launch import poisoned_outputs
+from tilegym_mamba2.runtime.launch import poisoned_outputs
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 

@@ -3,6 +3,8 @@ compile-time variant (options on and off, dtypes, tile sizes) a call can launch.
 import pytest
 import torch
 
+from tilegym_mamba2.runtime import limits
+
 pytest.importorskip("cuda.tile", reason="cuda-tile is not installed")
 
 from tilegym_mamba2.core.toolchain import diagnose, find_toolchain  # noqa: E402
@@ -12,9 +14,9 @@ if _TOOLCHAIN.tileiras is None:
     pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\"): "
                 + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
 
-from tilegym_mamba2.aot import (compile_conv_kernels, compile_conv_update_kernels,  # noqa: E402
+from tilegym_mamba2.runtime.aot import (compile_conv_kernels, compile_conv_update_kernels,  # noqa: E402
                                 compile_rms_norm_kernels, compile_state_update_kernels)
-from tilegym_mamba2.cutile.launch import recording_launches  # noqa: E402
+from tilegym_mamba2.runtime.launch import recording_launches  # noqa: E402
 
 
 # Each cubin here comes from tileiras, not from an earlier run's cache (conftest.py).
@@ -104,8 +106,8 @@ def test_rms_norm_kernel_compiles_sm90(variant):
 def test_state_update_recognises_expanded_per_head_values():
     """HF's call (dt, A, D, dt_bias expanded with stride 0) is read per head: the kernel gets
     [batch, heads] dt and [heads] A, D, dt_bias views, and no dense copies of them."""
-    from tilegym_mamba2.cutile.serving.selective_state_update import PER_CHANNEL, PER_ELEMENT, PER_HEAD, run_state_update
-    from tilegym_mamba2.core.serving_validation import check_state_update_args
+    from tilegym_mamba2.serving.selective_state_update import PER_CHANNEL, PER_ELEMENT, PER_HEAD, run_state_update
+    from tilegym_mamba2.serving.validation import check_state_update_args
     batch, heads, p, n = 2, 4, 8, 16
     dt = torch.randn(batch, heads)
     A = torch.randn(heads)
@@ -114,7 +116,7 @@ def test_state_update_recognises_expanded_per_head_values():
               B=torch.zeros(batch, 1, n), C=torch.zeros(batch, 1, n), D=torch.ones(heads)[:, None].expand(heads, p),
               z=None, dt_bias=torch.ones(heads)[:, None].expand(heads, p), dt_softplus=True)
     with recording_launches() as launches:
-        run_state_update(check_state_update_args(**kw, backend="pytorch"))
+        run_state_update(check_state_update_args(**kw, limits=limits.PYTORCH))
     (_, args), = launches
     state, x, dt_arg, bias_arg, a_arg, _, _, d_arg = args[:8]
     assert dt_arg.shape == (batch, heads) and dt_arg.data_ptr() == dt.data_ptr()
@@ -125,25 +127,25 @@ def test_state_update_recognises_expanded_per_head_values():
     kw.update(dt=torch.randn(batch, heads, p), D=torch.randn(heads, p), dt_bias=torch.randn(heads, p),
               A=torch.randn(heads, p)[:, :, None].expand(heads, p, n))
     with recording_launches() as launches:
-        run_state_update(check_state_update_args(**kw, backend="pytorch"))
+        run_state_update(check_state_update_args(**kw, limits=limits.PYTORCH))
     (_, args), = launches
     assert args[13:16] == (PER_CHANNEL, PER_CHANNEL, PER_CHANNEL) and args[4].shape == (heads, p)
     kw.update(A=torch.randn(heads, p, n))
     with recording_launches() as launches:
-        run_state_update(check_state_update_args(**kw, backend="pytorch"))
+        run_state_update(check_state_update_args(**kw, limits=limits.PYTORCH))
     assert launches[0][1][14] == PER_ELEMENT
 
 
 def test_small_decode_grids_are_launched_as_programmatic_dependents(monkeypatch):
     """Batch 1 and 8 of the 2.7B mixer (320 and 2,560 blocks) are launched with the flag, batch 64
     (20,480 blocks) without it: above 8192 blocks the flag cost 1-3%."""
-    from tilegym_mamba2.cutile.serving import selective_state_update as ssu
-    from tilegym_mamba2.core.serving_validation import check_state_update_args
+    from tilegym_mamba2.serving import selective_state_update as ssu
+    from tilegym_mamba2.serving.validation import check_state_update_args
     seen = []
     monkeypatch.setattr(ssu, "launch", lambda grid, kernel, args, dependent=False: seen.append((grid, dependent)))
     heads, p, n = 80, 64, 128
     for batch in (1, 8, 64):
         kw = dict(state=torch.zeros(batch, heads, p, n), x=torch.zeros(batch, heads, p), dt=torch.zeros(batch, heads, p),
                   A=torch.zeros(heads, p, n), B=torch.zeros(batch, 1, n), C=torch.zeros(batch, 1, n))
-        ssu.run_state_update(check_state_update_args(**kw, backend="pytorch"))
+        ssu.run_state_update(check_state_update_args(**kw, limits=limits.PYTORCH))
     assert seen == [((1, 80, 4), True), ((8, 80, 4), True), ((64, 80, 4), False)]

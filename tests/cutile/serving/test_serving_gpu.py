@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.cutile.launch import poisoned_outputs
+from tilegym_mamba2.runtime.launch import poisoned_outputs
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_back_to_back_steps_read_what_the_kernel_before_wrote():
     the kernel ahead has finished. Each step's x is written by a long matmul launched right
     before it (into a NaN-filled buffer, its last rows last), and each step's state by the step
     before; twelve steps against the reference's chain."""
-    from tilegym_mamba2.cutile.serving import selective_state_update as ssu
+    from tilegym_mamba2.serving import selective_state_update as ssu
     seed = fresh_seed()
     batch, heads, head_size = 1, 80, 64
     kw = state_update_inputs(batch, heads, head_size, 128, 1, torch.float32, torch.float32, seed)

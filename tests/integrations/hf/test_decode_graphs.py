@@ -7,7 +7,7 @@ import torch
 from torch.library import opcheck
 
 import tilegym_mamba2
-from tilegym_mamba2.cutile.serving import custom_ops as serving_ops
+from tilegym_mamba2 import traced_ops as serving_ops
 
 transformers = pytest.importorskip("transformers")
 

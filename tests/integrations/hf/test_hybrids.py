@@ -7,7 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import tilegym_mamba2  # noqa: E402
+import tilegym_mamba2  # noqa: E402,F401 (registers the ops)
+from tilegym_mamba2.backends.base import Backend  # noqa: E402
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
 from hf_models import (  # noqa: E402  (pytest puts this folder on sys.path)
@@ -39,8 +40,8 @@ def test_hybrid_models_train_on_our_scan(model_type, monkeypatch):
     zamba2 do when they are given a cache); the loss is transformers' torch path's, and every
     gradient is that of the patched model in float64 (our pytorch backend, exact in float64)."""
     scans = []
-    real = tilegym_mamba2.backends.dispatch.scan_combined_on  # every scan goes through it
-    monkeypatch.setattr(tilegym_mamba2.backends.dispatch, "scan_combined_on", lambda *a, **k: scans.append(1) or real(*a, **k))
+    real = Backend.scan_combined  # every scan goes through it
+    monkeypatch.setattr(Backend, "scan_combined", lambda *a, **k: scans.append(1) or real(*a, **k))
     config = HYBRIDS[model_type]()
     for name in ("mamba_n_groups", "mamba_ngroups", "n_groups"):
         if hasattr(config, name):

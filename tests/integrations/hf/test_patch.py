@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tilegym_mamba2  # noqa: E402
+from tilegym_mamba2.backends.base import Backend  # noqa: E402
 from tilegym_mamba2.transformers import (  # noqa: E402
     apply_tilegym_kernel_to_mamba2,
     revert_tilegym_kernel_to_mamba2,
@@ -284,8 +285,8 @@ def test_training_runs_on_our_scan(n_groups, monkeypatch):
     forward), under 5.17 in the mixer's own pieces. The loss and every parameter's gradient are
     transformers' torch path's."""
     scans, combined = [], []
-    # Every scan, direct or inside the combined call, goes through backends.dispatch.scan_combined_on.
-    for module, name, seen in ((tilegym_mamba2.backends.dispatch, "scan_combined_on", scans),
+    # Every scan, direct or inside the combined call, goes through a Backend object's scan_combined.
+    for module, name, seen in ((Backend, "scan_combined", scans),
                                (tilegym_mamba2, "mamba_split_conv1d_scan_combined", combined)):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _seen=seen, **k: _seen.append(1) or _real(*a, **k))

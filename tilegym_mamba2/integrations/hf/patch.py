@@ -35,7 +35,7 @@ from . import kernel_funcs
 from .decode_graphs import check_graphable, disable_decode_graphs, enable_decode_graphs
 from .norm_patch import (modeling_module, patch_norm_classes, patch_norm_modules, revert_norm_classes,
                          revert_norm_modules)
-from .structures import (_ORIGINAL, MIXERS, STRUCTURES, holds, named_params, structure_of, unpatched_forward,
+from .structures import (_ORIGINAL, MIXERS, holds, named_params, structure_of, unpatched_forward,
                          version_message, warn_if_newer)
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Where each transformers release's Mamba-2 mixers call their kernels, and how the patch plugs in.
 
-Three layouts (``STRUCTURES``):
+Three layouts (``STRUCTURES``), each with the function that recognises a mixer class written its
+way (``Structure.recognise``); a new release's layout is one more ``Structure``:
 
 - 5.3: the mixer's ``cuda_kernels_forward`` calls ``causal_conv1d_fn``, ``causal_conv1d_update``,
   ``selective_state_update``, ``mamba_chunk_scan_combined`` and ``mamba_split_conv1d_scan_combined``,
@@ -27,6 +28,7 @@ import dataclasses
 import inspect
 import types
 import warnings
+from typing import Callable, Optional
 
 TESTED = "5.25"  # the newest transformers release the patch was tested under
 
@@ -35,14 +37,55 @@ _ORIGINAL = "_tilegym_mamba2_original"  # on our forward: the forward it replace
 
 @dataclasses.dataclass(frozen=True)
 class Structure:
-    """Where one transformers release's Mamba-2 mixers call their kernels."""
+    """Where one transformers release's Mamba-2 mixers call their kernels, and how to tell."""
 
     release: str  # the transformers release it was written against
     method: str  # the mixer method whose code calls the kernels ("kernel_funcs": none, the hook)
     names: dict  # module-level name the mixer's code calls -> our function
+    # recognise(structure, cls) -> None where cls is not written this way, "" where it is and the
+    # patch runs it, else why it is written this way but the patch cannot run it.
+    recognise: Callable[["Structure", type], Optional[str]]
     left_out: tuple = ()  # mixer classes of MIXERS not patched under this structure
     # The mixer goes on with its own pieces when the fused training call returns None.
     fused_call_may_decline: bool = False
+
+    def problem(self, cls) -> Optional[str]:
+        return self.recognise(self, cls)
+
+
+def _kernel_method(structure, cls):
+    """5.3: a method of its own calls the kernels, taking what forward takes."""
+    kernel_forward = getattr(cls, structure.method, None)
+    if not isinstance(kernel_forward, types.FunctionType):
+        return None
+    missing = _not_called(kernel_forward, structure)
+    if missing:
+        return f"{cls.__qualname__}.{structure.method} no longer calls {', '.join(missing)}"
+    forward_params, kernel_params = named_params(unpatched_forward(cls)), named_params(kernel_forward)
+    if forward_params != kernel_params:
+        return f"{cls.__qualname__}.forward takes {forward_params} but {structure.method} takes {kernel_params}"
+    return ""
+
+
+def _kernel_hook(structure, cls):
+    """5.25: kernels' use_kernelized_func gives every instance a wrapper of each kernel function."""
+    hooks = kernelized_names(cls)
+    return "" if hooks is not None and set(structure.names) <= hooks else None
+
+
+def _forward_calls(structure, cls):
+    """5.17: forward itself calls the module-level kernel functions."""
+    forward = unpatched_forward(cls)
+    if not copyable(forward):
+        return f"{cls.__qualname__}.forward is wrapped in a way this patch cannot copy"
+    missing = _not_called(inspect.unwrap(forward), structure)
+    if len(missing) == len(structure.names):
+        return None
+    hooks = kernelized_names(cls)
+    if hooks is not None and missing:
+        return (f"{cls.__qualname__}'s kernel functions (use_kernelized_func) lack "
+                f"{', '.join(sorted(set(_KERNEL_NAMES) - hooks))}")
+    return f"{cls.__qualname__}.forward no longer calls {', '.join(missing)}" if missing else ""
 
 
 # The kernels' own names: 5.3's module-level names, and the layer names under which 5.25's mixers
@@ -54,16 +97,21 @@ _NAMES_5_17 = {"causal_conv1d_fn": "causal_conv1d_fn", "causal_conv1d_update": "
                "mamba2_chunk_scan": "mamba_chunk_scan_combined",
                "mamba2_split_conv1d_scan_combined": "mamba_split_conv1d_scan_combined"}
 
+# Asked in this order: the first that recognises a mixer class decides (a 5.25 mixer's forward
+# also calls 5.17's names, through the hook).
 STRUCTURES = (
     Structure(
         release="5.3",
         method="cuda_kernels_forward",
         names=_KERNEL_NAMES,
+        recognise=_kernel_method,
         # Its cuda_kernels_forward enters torch.cuda.device, so it cannot be checked on a CPU.
         left_out=("FalconH1Mixer",),
     ),
-    Structure(release="5.17", method="forward", names=_NAMES_5_17, fused_call_may_decline=True),
-    Structure(release="5.25", method="kernel_funcs", names=_KERNEL_NAMES, fused_call_may_decline=True),
+    Structure(release="5.25", method="kernel_funcs", names=_KERNEL_NAMES, recognise=_kernel_hook,
+              fused_call_may_decline=True),
+    Structure(release="5.17", method="forward", names=_NAMES_5_17, recognise=_forward_calls,
+              fused_call_may_decline=True),
 )
 
 # (model type, mixer class) of the transformers models whose mixer this patch runs unchanged,
@@ -86,38 +134,19 @@ def unpatched_forward(cls):
 
 def structure_of(cls):
     """(the structure ``cls`` is written in, None), or (None, why the patch cannot run it)."""
-    old, new, hooked = STRUCTURES
-    kernel_forward = getattr(cls, old.method, None)
-    if isinstance(kernel_forward, types.FunctionType):
-        missing = _not_called(kernel_forward, old)
-        if missing:
-            return None, version_message(f"{cls.__qualname__}.{old.method} no longer calls {', '.join(missing)}")
-        forward_params = named_params(unpatched_forward(cls))
-        kernel_params = named_params(kernel_forward)
-        if forward_params != kernel_params:
-            return None, version_message(
-                f"{cls.__qualname__}.forward takes {forward_params} but {old.method} takes {kernel_params}")
-        return old, None
-
-    hooks = kernelized_names(cls)
-    if hooks is not None and set(hooked.names) <= hooks:
-        return hooked, None
-    forward = unpatched_forward(cls)
-    if not copyable(forward):
-        return None, version_message(f"{cls.__qualname__}.forward is wrapped in a way this patch cannot copy")
-    missing = _not_called(inspect.unwrap(forward), new)
-    if hooks is not None and missing:
-        return None, version_message(f"{cls.__qualname__}'s kernel functions (use_kernelized_func) lack "
-                                     f"{', '.join(sorted(set(hooked.names) - hooks))}")
-    if len(missing) == len(new.names):
-        kernels_note = ("; its mixers plug kernels in through the kernels package's per-layer functions: "
-                        "`pip install 'kernels>=0.19'`" if "mamba2_scan_forward" in _called(forward) else "")
-        return None, version_message(
-            f"{cls.__qualname__} has no {old.method} method (transformers {old.release}'s structure) and its "
-            f"forward calls none of {', '.join(new.names)} ({new.release}'s){kernels_note}")
-    if missing:
-        return None, version_message(f"{cls.__qualname__}.forward no longer calls {', '.join(missing)}")
-    return new, None
+    for structure in STRUCTURES:
+        problem = structure.problem(cls)
+        if problem == "":
+            return structure, None
+        if problem is not None:
+            return None, version_message(problem)
+    layouts = "; ".join(f"{s.release}: {s.recognise.__doc__.split(': ', 1)[1]}" for s in STRUCTURES)
+    kernels_note = ("; its mixers plug kernels in through the kernels package's per-layer functions: "
+                    "`pip install 'kernels>=0.19'`" if "mamba2_scan_forward" in _called(unpatched_forward(cls)) else "")
+    method, forward_names = STRUCTURES[0].method, ", ".join(STRUCTURES[-1].names)
+    return None, version_message(
+        f"{cls.__qualname__} has no {method} method and its forward calls none of {forward_names}, in none of "
+        f"the layouts the patch knows ({layouts}){kernels_note}")
 
 
 def kernelized_names(cls):
@@ -203,7 +232,7 @@ def warn_if_newer(version: str) -> bool:
 def version_message(what: str) -> str:
     import transformers
 
-    known = ", ".join(s.release for s in STRUCTURES)
+    known = ", ".join(sorted((s.release for s in STRUCTURES), key=_release))
     return (f"tilegym_mamba2.transformers cannot patch transformers {transformers.__version__}: {what} "
             f"(it knows the Mamba-2 mixers of transformers {known}, tested up to {TESTED}; "
             f"`pip install 'transformers=={TESTED}.*'`)")
