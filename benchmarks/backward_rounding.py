@@ -3,7 +3,7 @@
     python benchmarks/backward_rounding.py [--seeds 20] [--variants all]
 
 The backward (backward.py on the cutile kernels) rounds where the forward does not: the two
-state walks (cutile/chunk_states_walk.py) hand every chunk's entry state S and end gradient dS
+state walks (ssd/chunk_states_walk.py) hand every chunk's entry state S and end gradient dS
 to chunk_grads rounded to the input dtype (bf16), and each walk rounds the weighted operand of
 its own update (B weighted by dt and the decay forwards, C weighted by the decay backwards). The
 chunk's weights go into their mma as two bf16 terms (split_mma), nearly exact, and are replayed

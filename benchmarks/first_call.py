@@ -22,7 +22,7 @@ MODE:
                 once the model's dimensions are known; with --backward, forward then backward;
                 with --wait-background (unless TILEGYM_MAMBA2_PRECOMPILE=0), T2's call waits until
                 the background compiles of the other token-count class
-                (cutile/other_token_class.py) have ended, as a later step of a training run would
+                (runtime/other_token_class.py) have ended, as a later step of a training run would
 It prints one line: the import time, the first call's seconds (forward and backward apart in
 the backward modes), the second call's, how many kernel compiles ran and how long, how many of
 them ran tileiras (the rest were disk-cache hits), and the compiled kernels' names.

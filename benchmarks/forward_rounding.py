@@ -2,7 +2,7 @@
 
     python benchmarks/forward_rounding.py [--seeds 20] [--variants all]
 
-compute_out (cutile/compute_out.py) rounds four mma operands to the input dtype (bf16): the
+compute_out (ssd/compute_out.py) rounds four mma operands to the input dtype (bf16): the
 intra-chunk weights C·Bᵀ ∘ decay ∘ dt, the decayed C, the carried fp32 state, and B weighted for
 the state update; the output is stored in bf16. This script replays that walk in float64 on the
 CPU with those roundings (whole rows, 64-token chunks, as the kernel walks TileGym's short rows),

@@ -5,7 +5,7 @@ package's call plans on and off (GPU).
 
 Two modes, in alternating rounds in one process:
   planned    the package as it is: a repeated call's checks and config come from its plan
-             (cutile/plan.py) and kernels are launched on the raw stream handle
+             (runtime/plan.py) and kernels are launched on the raw stream handle
   unplanned  no call plans (every call checked in full; config_for's per-shape memo still
              answers) and launches given torch Stream objects: what the plans and the raw
              handle save

@@ -8,7 +8,7 @@ autograd), one line each: `bench`'s median (L2 flushed) and the GPU's busy time 
 (torch.profiler, kernel times summed), then the step's kernels by GPU time, with how many times
 each runs per step.
 
---gate-tiles: also times the gate kernels (cutile/gate_grads.py) on the case's tensors for each
+--gate-tiles: also times the gate kernels (ssd/gate_grads.py) on the case's tensors for each
 tile shape (elements per block, widest channel tile), checking that every shape gives the same
 bits, with the bandwidth each reaches.
 """

@@ -76,7 +76,7 @@ def test_decomposition_matches_float64_autograd(name, chunk):
 @pytest.mark.parametrize("seq", [None, [[0] * 10 + [1] * 20 + [2] * 15], [[0] * 8 + [1] * 1 + [2] * 20 + [3] * 16]])
 @pytest.mark.parametrize("tokens", [45, 40])
 def test_chunk_grads_reference_is_the_token_by_token_gradient(seq, tokens):
-    """The chunk-local gradients (what cutile/chunk_grads.py computes) equal those from
+    """The chunk-local gradients (what ssd/chunk_grads.py computes) equal those from
     token-by-token states h_t and state gradients dh_t, sequences included: dxs_t = dh_t b_t,
     dc_t = h_t^T dy_t, db_t = w_t dh_t^T x_t (summed over a group's heads), ddt_input = x . dxs
     and dl_u = <dh_u, exp(l_u) h_{u-1}>."""

@@ -56,7 +56,7 @@ def test_state_update_like_mamba_ssm(batch, with_indices):
     kw = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
     if with_indices:
         # No padding rows (-1) here: older releases read out of bounds with them. Padding is
-        # checked against the reference in tests/cutile/test_serving_gpu.py.
+        # checked against the reference in tests/serving/test_serving_gpu.py.
         kw["state_batch_indices"] = torch.randperm(slots, generator=g, device="cuda")[:batch].to(torch.int32)
     theirs_state = state.clone()
     theirs = mamba_ssm_update(theirs_state, x, dt, A, B, C, **kw)

@@ -1,6 +1,7 @@
 """Random bad arguments to every public op (fixed seeds; the pytorch backend on CPU, the cutile one
 on a GPU): each call either runs or raises ValueError / TypeError, never another exception (an
-AttributeError deep inside, a shape error from torch, a compiler's). The named cases live in
+AttributeError deep inside, a shape error from torch, a compiler's), and a value no contract takes
+(another shape, an integer tensor for a float one) is refused, never run. The named cases live in
 test_validation.py and test_serving_validation.py; this sweeps the combinations they do not list."""
 import random
 
@@ -92,6 +93,17 @@ def bad_value(value, rng):
     return None
 
 
+def surely_bad(value, bad) -> bool:
+    """Whether no contract takes ``bad`` where ``value`` was: another number of dimensions, no
+    elements, or a float tensor turned integer (or the reverse). Other variants may be right and may
+    run: a shorter last dimension (a convolution's width), a transpose (batch and length swapped),
+    fp16, a non-contiguous copy, None for an optional argument."""
+    if not isinstance(value, torch.Tensor) or not isinstance(bad, torch.Tensor):
+        return False
+    return (bad.ndim != value.ndim or (bad.numel() == 0 < value.numel())
+            or bad.is_floating_point() != value.is_floating_point())
+
+
 def sweep(op, backend, device, trials):
     make, call = OPS[op]
 
@@ -102,13 +114,16 @@ def sweep(op, backend, device, trials):
     for _ in range(trials):
         kw = arguments()
         name = rng.choice(list(kw))
-        kw[name] = bad_value(kw[name], rng)
+        original, kw[name] = kw[name], bad_value(kw[name], rng)
         try:
             call(kw, backend)
         except (ValueError, TypeError):
-            pass
+            continue
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"{op} ({backend}) with a bad {name} ({kw[name]!r:.80}) raised {type(e).__name__}: {e}")
+        if surely_bad(original, kw[name]):
+            pytest.fail(f"{op} ({backend}) ran with a bad {name}: {tuple(kw[name].shape)} {kw[name].dtype} where "
+                        f"{tuple(original.shape)} {original.dtype} was expected, instead of refusing it")
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -122,3 +137,10 @@ def test_bad_arguments_to_the_cutile_kernels_raise_value_or_type_errors(op):
     """The same on CUDA tensors and our kernels: a bad input that passes the checks must not reach
     a compiler or a launch that fails."""
     sweep(op, "cutile", "cuda", 30)
+
+
+def test_the_sweep_fails_on_an_op_that_takes_anything(monkeypatch):
+    """An op that runs whatever it is given is caught: the sweep fails, naming the argument."""
+    monkeypatch.setitem(OPS, "takes_anything", (forward_kw, lambda kw, be: None))
+    with pytest.raises(pytest.fail.Exception, match="takes_anything .pytorch. ran with a bad"):
+        sweep("takes_anything", "pytorch", "cpu", 300)

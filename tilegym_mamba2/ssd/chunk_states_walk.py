@@ -15,7 +15,7 @@ scan of dh (backward.py) without flipping dy, b and c along the tokens. Backward
 chunk enters with the decay from the chunk's first token to t, and the state leaves through the
 whole chunk and the next chunk's first token (the decay between a token and the one after it).
 Its entry states are stored in walk order, reversed chunk k first, as the flipped scan leaves
-them. tests/cutile/test_chunk_states_walk_gpu.py checks the forward walk against the state
+them. tests/ssd/test_chunk_states_walk_gpu.py checks the forward walk against the state
 pass's bits and the reverse one against scan_reference's flipped scan in float64.
 
 States are transposed, [.., state_size, head_size], as in fwd_pass_state.py, so both mma

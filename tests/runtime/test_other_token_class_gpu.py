@@ -1,5 +1,5 @@
 """After a training step's first call, the kernels of the other token-count class compile in the
-background (cutile/other_token_class.py): the first step of the other class compiles nothing
+background (runtime/other_token_class.py): the first step of the other class compiles nothing
 itself, and its gradients are right. In a fresh process (its own in-memory kernel cache), under a
 hard timeout."""
 import json

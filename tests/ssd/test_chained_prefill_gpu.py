@@ -1,4 +1,4 @@
-"""The one-launch path for short rows (cutile/chained_prefill.py) on a GPU: against float64,
+"""The one-launch path for short rows (ssd/chained_prefill.py) on a GPU: against float64,
 repeated, on two streams at once, and under CUDA-graph capture (skipped without a GPU).
 
 Every output starts as NaN (poisoned_outputs); fresh random inputs each run (seed in messages)."""

@@ -1,4 +1,4 @@
-"""cutile/other_token_class.py on the CPU: which token count stands for the other class, the meta
+"""runtime/other_token_class.py on the CPU: which token count stands for the other class, the meta
 copies a replay runs on, and how a call and the background thread share the compiles (with a
 stand-in kernel and signatures; the GPU test runs cuTile's own)."""
 import contextlib

@@ -1,4 +1,4 @@
-"""Launch plans (cutile/plan.py) on the CPU: a repeated call skips the checks and the config
+"""Launch plans (runtime/plan.py) on the CPU: a repeated call skips the checks and the config
 lookup, launches exactly what the first call launched, and bad input still meets the checks.
 
 Launches are recorded, not run. The checks' CUDA-only part (the device type and its compute

@@ -1,4 +1,4 @@
-"""A context-parallel rank's summary on the kernels (cutile/end_state.py), forward and backward,
+"""A context-parallel rank's summary on the kernels (ssd/end_state.py), forward and backward,
 against reference/end_state.py in float64 autograd on the same inputs."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The gate kernels (cutile/gate_grads.py) against float64 on random inputs, outputs poisoned with
+"""The gate kernels (ssd/gate_grads.py) against float64 on random inputs, outputs poisoned with
 NaN first: every head size (padded tiles), D per head, per channel or absent, strided inputs."""
 import pytest
 import torch

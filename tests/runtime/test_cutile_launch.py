@@ -1,4 +1,4 @@
-"""cutile/launch.py on the CPU: what cuTile's launch is handed."""
+"""runtime/launch.py on the CPU: what cuTile's launch is handed."""
 import pytest
 import torch
 

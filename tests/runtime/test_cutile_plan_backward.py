@@ -1,4 +1,4 @@
-"""The backward's launch plan (cutile/plan.py) on the CPU: a repeated mamba2_chunk_backward
+"""The backward's launch plan (runtime/plan.py) on the CPU: a repeated mamba2_chunk_backward
 skips its argument checks and launches what the checked call launched; bad input still meets
 the checks. Launches are recorded, not run (see test_cutile_plan.py)."""
 import pytest

@@ -1,4 +1,4 @@
-"""The chunk-state walk (cutile/chunk_states_walk.py) on a GPU: forwards it must give the state
+"""The chunk-state walk (ssd/chunk_states_walk.py) on a GPU: forwards it must give the state
 pass's bits at one chunk per segment; backwards (the scan of dh on unflipped dy, c) the float64
 scan on flipped inputs; both with packed sequences too. Outputs start as NaN, inputs are fresh
 random draws."""

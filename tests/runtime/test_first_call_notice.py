@@ -1,4 +1,4 @@
-"""A first call that takes a while says so on stderr (cutile/plan.py, first_call_notice); a
+"""A first call that takes a while says so on stderr (runtime/plan.py, first_call_notice); a
 planned call, or a quick first call, prints nothing. No test here waits on wall-clock speed: the
 slow call blocks until the notice has been printed."""
 import pytest

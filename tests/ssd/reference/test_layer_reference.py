@@ -14,7 +14,7 @@ from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
 from tilegym_mamba2.ssd.reference.forward import token_recurrence
 from tilegym_mamba2.testing import relative_error as rel_err
 
-from layer_op_checks import (HEADS, HEAD_SIZE, STATE, TOL_BF16, all_options, lengths_to_cu,  # tests/reference/
+from layer_op_checks import (HEADS, HEAD_SIZE, STATE, TOL_BF16, all_options, lengths_to_cu,  # tests/ssd/reference/
                              make_inputs, option, random_lengths, run_and_compare, seq_idx_rows)
 
 

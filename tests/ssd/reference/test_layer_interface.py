@@ -9,7 +9,7 @@ from tilegym_mamba2.core.packing import seq_idx_from_cu_seqlens
 from tilegym_mamba2.ssd.reference.layer import layer_token_recurrence
 from tilegym_mamba2.testing import relative_error as rel_err
 
-from layer_op_checks import (HEADS, HEAD_SIZE, STATE, all_options, lengths_to_cu,  # tests/reference/
+from layer_op_checks import (HEADS, HEAD_SIZE, STATE, all_options, lengths_to_cu,  # tests/ssd/reference/
                              make_inputs, seq_idx_rows, unpack)
 
 
