@@ -17,7 +17,7 @@ import sys
 
 from cuda.tile import compilation
 
-from tilegym_mamba2.runtime import aot
+from tilegym_mamba2 import aot
 
 CODE_SECTIONS = (".text", ".nv.constant", ".nv.shared", ".nv.info")
 SECTION_KIND = re.compile(r"\.text|\.nv\.constant\d*|\.nv\.shared|\.nv\.info")

@@ -240,7 +240,7 @@ def test_backward_kernels_compile_ahead_of_time():
     from tilegym_mamba2.core.toolchain import find_toolchain
     if find_toolchain().tileiras is None:
         pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\")")
-    from tilegym_mamba2.runtime.aot import compile_backward_kernels
+    from tilegym_mamba2.aot import compile_backward_kernels
     for layer in (None, "packed", "sequence_states"):
         results = compile_backward_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=64, layer=layer)
         names = {name for name, _, _ in results}

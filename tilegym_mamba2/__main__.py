@@ -147,7 +147,7 @@ def main(argv=None):
     if command == "registry":
         return registry()
     if command == "fuzz":
-        from .testing.fuzz import fuzz
+        from .fuzz import fuzz
         return 1 if fuzz(args.seconds, args.seed, cases=args.cases, start=args.start) else 0
 
 
@@ -279,7 +279,7 @@ def gradient_example(device) -> float:
 
 def compile_all(target) -> int:
     """Compiles every kernel the ops launch for ``target``; 1 (with the diagnosis printed) on failure."""
-    from .runtime.aot import (compile_backward_kernels, compile_end_state_kernels, compile_kernels, compile_layer_kernels,
+    from .aot import (compile_backward_kernels, compile_end_state_kernels, compile_kernels, compile_layer_kernels,
                       compile_serving_kernels)
     from .core.toolchain import explain_compile_failure
     kernels, start = 0, time.perf_counter()

@@ -19,7 +19,6 @@ PACKAGE = __name__.rpartition(".")[0]
 # name is then a module that finds each name in them, in order); None for an old package whose modules
 # moved apart (it becomes an empty package that only holds the old submodule names).
 MOVED = {
-    "aot": "runtime.aot",
     "autograd": "ssd.autograd",
     "backward": "ssd.backward",
     "core.serving_validation": "serving.validation",
@@ -55,6 +54,7 @@ MOVED = {
     "reference.scan": ("ssd.reference.scans", "ssd.reference.chunk_grads", "ssd.reference.chunk_states_walk"),
     "reference.serving": "serving.reference",
     "reference.ssd": ("ssd.reference.forward", "ssd.reference.chunks"),
+    "testing.fuzz": "fuzz",
 }
 
 _warned = set()

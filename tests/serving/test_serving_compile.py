@@ -14,7 +14,7 @@ if _TOOLCHAIN.tileiras is None:
     pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\"): "
                 + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
 
-from tilegym_mamba2.runtime.aot import (compile_conv_kernels, compile_conv_update_kernels,  # noqa: E402
+from tilegym_mamba2.aot import (compile_conv_kernels, compile_conv_update_kernels,  # noqa: E402
                                 compile_rms_norm_kernels, compile_state_update_kernels)
 from tilegym_mamba2.runtime.launch import recording_launches  # noqa: E402
 

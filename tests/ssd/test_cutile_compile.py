@@ -17,7 +17,7 @@ if _TOOLCHAIN.tileiras is None:
     pytest.skip("tileiras not found (pip install \"cuda-tile[tileiras]\"): "
                 + " ".join(diagnose(_TOOLCHAIN, target="")), allow_module_level=True)
 
-from tilegym_mamba2.runtime.aot import compile_kernels, compile_layer_kernels  # noqa: E402
+from tilegym_mamba2.aot import compile_kernels, compile_layer_kernels  # noqa: E402
 
 KERNELS = ["chunk_cumsum_kernel", "segment_states_kernel", "state_scan_kernel", "compute_out_kernel"]
 # Small tiles (head_size 32, state_size 64, chunk 32): every kernel, ~2 s per target.
@@ -96,7 +96,7 @@ def test_compile_the_chained_one_launch_path_sm90(dtype, with_init_state, head_s
 
 
 def test_compile_the_context_parallel_summary_sm90():
-    from tilegym_mamba2.runtime.aot import compile_end_state_kernels
+    from tilegym_mamba2.aot import compile_end_state_kernels
     results = compile_end_state_kernels("sm_90", tokens=200, heads=4, head_size=32, state_size=32)
     assert [name for name, _, _ in results] == ["given_decay_cumsum_kernel", "segment_states_kernel",
                                                 "state_scan_kernel", "end_state_grads_kernel"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tilegym_mamba2
-from tilegym_mamba2.testing import fuzz as fuzzing
+from tilegym_mamba2 import fuzz as fuzzing
 
 
 def test_a_few_seconds_of_every_kind_pass():

@@ -20,7 +20,7 @@ from .validation import check_state_update_args, state_update_args
 from ..core.tensors import pow2_at_least
 from ..runtime import plan
 from ..core.constants import SOFTPLUS_THRESHOLD
-from ..ssd.chunk_cumsum import _log1p
+from ..runtime.tile_math import log1p
 from ..runtime.launch import launch, new_output
 
 # How dt (with dt_bias), A and D vary inside one head.
@@ -77,7 +77,7 @@ def _update(state, x, dt, dt_bias, A, B, C, D, z, out, row, slot, head, p_tile, 
             step = step + ct.load(dt_bias, (head, p_tile), (1, head_tile), padding_mode=zero).reshape(
                 (head_tile, 1)).astype(ct.float32)
     if softplus:
-        step = ct.where(step > SOFTPLUS_THRESHOLD, step, _log1p(ct.exp(step)))
+        step = ct.where(step > SOFTPLUS_THRESHOLD, step, log1p(ct.exp(step)))
 
     if a_mode == PER_HEAD:
         a = ct.load(A, (head,), (1,)).reshape((1, 1)).astype(ct.float32)

@@ -15,6 +15,7 @@ import torch
 
 from ..core.constants import LOG2E, LOG_DECAY_FLOOR, SOFTPLUS_THRESHOLD
 from ..runtime.launch import launch, new_output
+from ..runtime.tile_math import log1p
 
 
 
@@ -36,7 +37,7 @@ def chunk_cumsum_kernel(dt, a, dt_bias, dt_bht, decay_cumsum,
             dt_tile = dt_tile + ct.load(dt_bias, (head_tile,), (heads_tile,),
                                         padding_mode=ct.PaddingMode.ZERO)[None, :]
         if softplus:
-            dt_tile = ct.where(dt_tile > SOFTPLUS_THRESHOLD, dt_tile, _log1p(ct.exp(dt_tile)))
+            dt_tile = ct.where(dt_tile > SOFTPLUS_THRESHOLD, dt_tile, log1p(ct.exp(dt_tile)))
         if clamp:
             # Selects, not minimum/maximum: those return the number where dt is NaN, which must
             # stay NaN (a NaN dt gives NaN outputs, as on the pytorch backend).
@@ -67,13 +68,6 @@ def given_decay_cumsum_kernel(weight, log_decay, weight_bht, decay_cumsum, chunk
 
 
 @ct.function
-def _log1p(e):
-    # log(1 + e) without losing small e to the rounding of 1 + e (there is no log1p in cuTile):
-    # log(u) * e / (u - 1) with u = fl(1 + e) cancels the rounding error to first order.
-    u = 1.0 + e
-    return ct.where(u == 1.0, e, ct.log(u) * (e / (u - 1.0)))
-
-
 def chunk_cumsum(dt: torch.Tensor, a: torch.Tensor, chunk_size: int, *, dt_bias=None, softplus=False,
                  dt_limit=None):
     """dt [batch, tokens, heads], a [heads] -> (dt_bht, decay_cumsum), both

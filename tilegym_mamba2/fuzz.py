@@ -27,7 +27,7 @@ import traceback
 
 import torch
 
-from .errors import relative_error
+from .testing.errors import relative_error
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-3}
 
@@ -99,8 +99,8 @@ def check_extreme_decay(rng, backend, device):
 
 def _against_recurrence(kw, dtype, backend):
     import tilegym_mamba2
-    from ..runtime.launch import poisoned_outputs
-    from ..ssd.reference.layer import layer_token_recurrence
+    from .runtime.launch import poisoned_outputs
+    from .ssd.reference.layer import layer_token_recurrence
     with poisoned_outputs():
         got = tilegym_mamba2.mamba_chunk_scan_combined(**kw, backend=backend)
     got = got if isinstance(got, tuple) else (got,)

@@ -12,21 +12,21 @@ import torch
 from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
                                    ScalarConstraint, export_kernel)
 
-from ..backends.cutile import KERNELS
-from ..ssd.backward import chunk_backward, layer_backward
-from ..serving.validation import (check_conv_args, check_conv_update_args, check_rms_norm_args,
+from .backends.cutile import KERNELS
+from .ssd.backward import chunk_backward, layer_backward
+from .serving.validation import (check_conv_args, check_conv_update_args, check_rms_norm_args,
                                      check_state_update_args)
-from ..core.constants import KERNEL_CHUNK
-from ..core.validation import ScanCombinedArgs
+from .core.constants import KERNEL_CHUNK
+from .core.validation import ScanCombinedArgs
 from .limits import PYTORCH as PYTORCH_LIMITS
-from ..ssd.end_state import end_state, end_state_grads
-from ..ssd.forward import run_stages
+from .ssd.end_state import end_state, end_state_grads
+from .ssd.forward import run_stages
 from .launch import recording_launches
-from ..ssd.layer import run_layer
-from ..serving.causal_conv1d import run_conv
-from ..serving.causal_conv1d_update import run_conv_update
-from ..serving.rms_norm import run_rms_norm
-from ..serving.selective_state_update import run_state_update
+from .ssd.layer import run_layer
+from .serving.causal_conv1d import run_conv
+from .serving.causal_conv1d_update import run_conv_update
+from .serving.rms_norm import run_rms_norm
+from .serving.selective_state_update import run_state_update
 from .tuning import CHAINED_SEGMENTS, chained_config, choose_config
 
 _DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
