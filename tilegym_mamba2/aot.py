@@ -18,16 +18,16 @@ from .serving.validation import (check_conv_args, check_conv_update_args, check_
                                      check_state_update_args)
 from .core.constants import KERNEL_CHUNK
 from .core.validation import ScanCombinedArgs
-from .limits import PYTORCH as PYTORCH_LIMITS
+from .runtime.limits import PYTORCH as PYTORCH_LIMITS
 from .ssd.end_state import end_state, end_state_grads
 from .ssd.forward import run_stages
-from .launch import recording_launches
+from .runtime.launch import recording_launches
 from .ssd.layer import run_layer
 from .serving.causal_conv1d import run_conv
 from .serving.causal_conv1d_update import run_conv_update
 from .serving.rms_norm import run_rms_norm
 from .serving.selective_state_update import run_state_update
-from .tuning import CHAINED_SEGMENTS, chained_config, choose_config
+from .runtime.tuning import CHAINED_SEGMENTS, chained_config, choose_config
 
 _DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
            torch.int32: ct.int32, torch.int64: ct.int64}

@@ -2,6 +2,7 @@
 import cuda.tile as ct
 
 
+@ct.function
 def log1p(e):
     # log(1 + e) without losing small e to the rounding of 1 + e (there is no log1p in cuTile):
     # log(u) * e / (u - 1) with u = fl(1 + e) cancels the rounding error to first order.

@@ -67,7 +67,6 @@ def given_decay_cumsum_kernel(weight, log_decay, weight_bht, decay_cumsum, chunk
     ct.store(decay_cumsum, (batch, head_tile, chunk), ct.transpose(cumsum).reshape((1, heads_tile, chunk_size)))
 
 
-@ct.function
 def chunk_cumsum(dt: torch.Tensor, a: torch.Tensor, chunk_size: int, *, dt_bias=None, softplus=False,
                  dt_limit=None):
     """dt [batch, tokens, heads], a [heads] -> (dt_bht, decay_cumsum), both
