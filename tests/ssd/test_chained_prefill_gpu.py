@@ -19,7 +19,7 @@ from gpu_checks import fresh_seed, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 4e-3}  # as the plain op's (test_cutile_gpu.py)
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 4e-3}  # as the plain op's (test_forward_gpu.py)
 
 CASES = [
     # batch, tokens, groups, heads, state, head, dtype, with an initial state

@@ -101,7 +101,7 @@ def _gpu_multiprocessor_count(device) -> int:
 #
 #   TILEGYM_MAMBA2_TUNE=0           never measure: a choice saved or shipped for the bucket, else the
 #                                   heuristic (default: measure on the
-#                                   first call of a new bucket; GPU-tested, tests/ssd/test_cutile_gpu.py)
+#                                   first call of a new bucket; GPU-tested, tests/ssd/test_forward_gpu.py)
 #   TILEGYM_MAMBA2_TUNE=all         also time the one-launch chained path where it fits: its kernel
 #                                   compiles for ~30 s per new token-count class (cuTile specializes on
 #                                   a dimension's divisibility), beyond what a first call may take

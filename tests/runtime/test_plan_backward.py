@@ -1,12 +1,12 @@
 """The backward's launch plan (runtime/plan.py) on the CPU: a repeated mamba2_chunk_backward
 skips its argument checks and launches what the checked call launched; bad input still meets
-the checks. Launches are recorded, not run (see test_cutile_plan.py)."""
+the checks. Launches are recorded, not run (see test_plan.py)."""
 import pytest
 import torch
 
 pytest.importorskip("cuda.tile")
 
-from test_cutile_plan import FORWARD_CASES, cpu_as_cuda, error_of, forward_inputs, recorded  # noqa: E402,F401
+from test_plan import FORWARD_CASES, cpu_as_cuda, error_of, forward_inputs, recorded  # noqa: E402,F401
 from tilegym_mamba2.runtime import plan  # noqa: E402
 
 
