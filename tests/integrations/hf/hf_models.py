@@ -110,6 +110,16 @@ FALCON_H1 = lambda **kw: transformers.FalconH1Config(  # noqa: E731
     mamba_chunk_size=16, **kw, **HYBRID_COMMON)
 HYBRIDS_5_17 = {"falcon_h1": lambda: FALCON_H1(), "falcon_h1-rmsnorm": lambda: FALCON_H1(mamba_rms_norm=True)}
 PROMPT_BATCH = {"falcon_h1-rmsnorm": 1}
+# The mixture-of-experts hybrids: GraniteMoeHybrid's default above has experts (and a shared
+# expert); NemotronH with a "moe" layer (routed experts in one group, a shared expert).
+MOE_HYBRIDS = {
+    "granitemoehybrid": HYBRIDS["granitemoehybrid"],
+    "nemotron_h-moe": lambda: transformers.NemotronHConfig(
+        num_hidden_layers=3, layers_block_type=["mamba", "moe", "attention"], n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, head_dim=16, ssm_state_size=16, mamba_num_heads=4, mamba_n_groups=2,
+        mamba_head_dim=16, mamba_chunk_size=16, **HYBRID_COMMON),
+}
 HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 
@@ -117,7 +127,7 @@ HYBRID_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, nu
 def tiny_hybrid(model_type, device="cpu", dtype=torch.float32, seed=5, **overrides):
     """A random model of HYBRIDS (or HYBRIDS_5_17) with sdpa attention; ``overrides`` set on its config."""
     torch.manual_seed(seed)
-    config = (HYBRIDS | HYBRIDS_5_17)[model_type]()
+    config = (HYBRIDS | HYBRIDS_5_17 | MOE_HYBRIDS)[model_type]()
     for name, value in overrides.items():
         setattr(config, name, value)
     config._attn_implementation = "sdpa"

@@ -15,7 +15,7 @@ from tilegym_mamba2.integrations.hf.decode_graphs import (  # noqa: E402
 from tilegym_mamba2.integrations.hf.static_kv import _get, cache_slots  # noqa: E402
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 
-from hf_models import HYBRID_COMMON, HYBRIDS, VOCAB, only_5_17  # noqa: E402
+from hf_models import HYBRIDS, VOCAB, only_5_17  # noqa: E402
 from hf_models import tiny_hybrid as hybrid  # noqa: E402
 
 NEW_TOKENS = 10
@@ -113,18 +113,14 @@ def test_refusals_name_what_cannot_be_graphed():
         check_graphable(torch.nn.Linear(2, 2))
     moe = hybrid("granitemoehybrid")
     assert moe.config.num_local_experts
-    with pytest.raises(ValueError, match="expert layers|does not have"):
-        enable_decode_graphs(moe)  # refused before the device is looked at
+    check_graphable(moe, graphs=True)  # expert layers of a known layout are graphed (experts.py)
+    with pytest.raises(ValueError, match="needs? the model on a CUDA device|does not have"):
+        enable_decode_graphs(moe)
     with pytest.raises(ValueError, match="max_cache_len"):
         DecodeGraphs(hybrid("bamba"), (1,), use_graphs=False, max_cache_len=0)
     for dense in ("bamba", "nemotron_h", "zamba2"):  # a default expert count without expert layers
         check_graphable(hybrid(dense), graphs=True)
-    nemotron_moe = transformers.NemotronHConfig(
-        num_hidden_layers=3, layers_block_type=["mamba", "moe", "attention"], n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, head_dim=16,
-        ssm_state_size=16, mamba_num_heads=4, mamba_n_groups=2, mamba_head_dim=16, **HYBRID_COMMON)
-    with pytest.raises(ValueError, match="expert layers"):
-        check_graphable(transformers.AutoModelForCausalLM.from_config(nemotron_moe), graphs=True)
+    check_graphable(hybrid("nemotron_h-moe"), graphs=True)
     flash = hybrid("bamba")
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation|does not have"):
@@ -132,17 +128,20 @@ def test_refusals_name_what_cannot_be_graphed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["bamba", "granitemoehybrid-dense", "nemotron_h", "zamba2",
-                                        pytest.param("falcon_h1", marks=only_5_17)])
+@pytest.mark.parametrize("model_type", ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h",
+                                        "nemotron_h-moe", "zamba2", pytest.param("falcon_h1", marks=only_5_17)])
 def test_gpu_hybrid_graph_decoding_gives_the_eager_tokens_in_fp32(model_type):
+    """Batches of 1, 5 and 13 left-padded prompts, then 2 again (another bucket, a second generation):
+    the graphs' greedy tokens are transformers' own (the mixture-of-experts hybrids' expert layers
+    captured on their device-routed path)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    dense = dict(num_local_experts=0) if model_type.endswith("-dense") else {}  # experts are not graphed
+    dense = dict(num_local_experts=0) if model_type.endswith("-dense") else {}
     reference = hybrid(model_type.removesuffix("-dense"), device="cuda", **dense)
     model = copy.deepcopy(reference)
     apply_tilegym_kernel_to_mamba2(model=model)
     enable_decode_graphs(model, buckets=(1, 8, 16))
     try:
-        for batch in (1, 5, 13):
+        for batch in (1, 5, 13, 2):
             ids, mask = left_padded(batch, "cuda", seed=batch)
             want = generate(reference, ids, mask)
             assert torch.equal(generate(model, ids, mask), want), f"batch {batch}"

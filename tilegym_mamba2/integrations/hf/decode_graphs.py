@@ -21,6 +21,9 @@ per batch-size bucket and replayed: the host then costs one input copy and one r
   hybrid's attention layers add 2 x batch x KV heads x slots x head size each) and the step's
   activations, from one memory pool that every bucket shares.
 
+- **Mixture-of-experts hybrids** (GraniteMoeHybrid with experts, NemotronH with "moe" layers): while a
+  step is captured their expert layers route on the device (experts.py); prefill and eager steps run
+  transformers' own expert code.
 - **Hybrids** (Bamba, GraniteMoeHybrid, NemotronH, Zamba2; FalconH1 from transformers 5.17):
   the bucket's cache keeps the attention layers' keys and values in buffers of a maximum length
   (static_kv.py), written in place at the step's position and read through a mask built in the
@@ -38,6 +41,7 @@ import inspect
 import torch
 
 from ...core.tensors import pow2_at_least
+from .experts import capture_safe_experts, eager_experts, expert_layers
 from .static_kv import StaticHybridCache, _get, _set, cache_slots, kv_length
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -65,6 +69,7 @@ def enable_decode_graphs(model, buckets=BUCKETS, max_cache_len=None):
     runner = DecodeGraphs(model, buckets, max_cache_len=max_cache_len)
     setattr(model, _RUNNER, runner)
     model.forward = runner
+    capture_safe_experts(model)  # expert layers route on the device while a step is captured
 
 
 def check_graphable(model, graphs=True):
@@ -87,12 +92,10 @@ def check_graphable(model, graphs=True):
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"decode graphs read the key/value buffers through a mask: attn_implementation 'sdpa' or "
                          f"'eager', got {attention!r}")
-    # Looked for in the modules, not the config: NemotronH's config counts experts (8 by default,
-    # from transformers 5.17) whether or not a layer uses them.
-    experts = any(type(module).__name__.endswith("MoE") or hasattr(module, "experts") for module in model.modules())
-    if graphs and experts:
-        raise ValueError(f"{name}'s expert layers read their token counts on the host every step (transformers "
-                         f"{transformers.__version__}), which a CUDA graph cannot capture; decode it eagerly")
+    if graphs:
+        # Looked for in the modules, not the config: NemotronH's config counts experts (8 by default,
+        # from transformers 5.17) whether or not a layer uses them. A layout not known is refused here.
+        expert_layers(model)
 
 
 def disable_decode_graphs(model):
@@ -100,6 +103,7 @@ def disable_decode_graphs(model):
     if runner is not None:
         runner.release()
         del model.forward
+    eager_experts(model)
 
 
 class DecodeGraphs:
