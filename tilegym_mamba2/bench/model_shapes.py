@@ -19,6 +19,22 @@ HYBRID_SHAPES = {
         hidden_size=2048, intermediate_size=8192, shared_intermediate_size=8192, num_local_experts=0,
         num_hidden_layers=40, layer_types=["attention" if i % 10 == 9 else "mamba" for i in range(40)],
         mamba_n_heads=64, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_chunk_size=256, **_ATTENTION)),
+    # The mixture-of-experts hybrids (decode graphs route their experts on the device). Granite
+    # 4.0-H Tiny's shape (about 7B parameters, 64 experts, top 6, a shared expert), and Nemotron 3
+    # Nano's blocks (128 experts of 1856, top 6, a shared expert of 3712) at 9 of its 52 layers,
+    # about 5B parameters, so that it fits beside the torch path's copy.
+    "granitemoehybrid_moe": ("Granite 4.0-H Tiny", "GraniteMoeHybridConfig", dict(
+        hidden_size=1536, intermediate_size=512, shared_intermediate_size=1024, num_local_experts=64,
+        num_experts_per_tok=6, num_hidden_layers=40,
+        layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)], mamba_n_heads=48,
+        mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_chunk_size=256,
+        **(_ATTENTION | dict(num_attention_heads=12, num_key_value_heads=4)))),
+    "nemotron_h_moe": ("Nemotron 3 Nano's blocks, 9 layers", "NemotronHConfig", dict(
+        layers_block_type=["mamba", "moe", "mamba", "moe", "attention", "mamba", "moe", "mamba", "moe"],
+        hidden_size=2688, n_routed_experts=128, num_experts_per_tok=6, n_group=1, topk_group=1,
+        moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, mamba_num_heads=64,
+        mamba_head_dim=64, mamba_n_groups=8, ssm_state_size=128, head_dim=128, mamba_chunk_size=128,
+        **(_ATTENTION | dict(num_key_value_heads=2)))),
     "zamba2": ("Zamba2 2.7B", "Zamba2Config", dict(
         hidden_size=2560, intermediate_size=10240, num_hidden_layers=54,
         layers_block_type=["hybrid" if i % 6 == 5 else "mamba" for i in range(54)], mamba_d_state=64,
