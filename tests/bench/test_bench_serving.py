@@ -219,3 +219,20 @@ def test_the_decode_benchs_hybrids_are_graphable_models_of_a_few_billion_paramet
         except ValueError as e:  # transformers 5.17+: hybrids are refused, naming the version
             assert transformers.__version__ in str(e)
         assert 1e9 < sum(p.numel() for p in model.parameters()) < 1e10, name
+
+
+def test_the_weight_read_floor_counts_the_experts_a_batch_hits():
+    """A dense model's step reads every weight but the embedding table's unread rows; an expert
+    layer's share grows with the batch toward all its experts (uniform routing)."""
+    transformers = pytest.importorskip("transformers")
+    from tilegym_mamba2.bench.decode import hybrid_config, weight_read_bytes
+    with torch.device("meta"):
+        dense = transformers.AutoModelForCausalLM.from_config(hybrid_config("bamba", 1000))
+        moe = transformers.AutoModelForCausalLM.from_config(hybrid_config("granitemoehybrid_moe", 1000))
+    embedding = dense.get_input_embeddings().weight
+    every = sum(p.numel() * p.element_size() for p in dense.parameters())
+    assert weight_read_bytes(dense, 1) == weight_read_bytes(dense, 64) == every - embedding.numel() * 4
+    reads = [weight_read_bytes(moe, batch) for batch in (1, 8, 64, 4096)]
+    assert reads == sorted(reads) and reads[0] < 0.3 * reads[-1]
+    assert reads[-1] == pytest.approx(sum(p.numel() * p.element_size() for p in moe.parameters())
+                                      - (0 if moe.config.tie_word_embeddings else 1536 * 1000 * 4), rel=1e-3)

@@ -101,6 +101,11 @@ def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16, 
             torch.cuda.empty_cache()
         return tokens
 
+    from .forward import copy_bandwidth
+    bandwidth = copy_bandwidth()
+    for batch in case.decode_batches:
+        row("floor", "weights read per step", batch, weight_read_bytes(model, batch) / bandwidth * 1e3,
+            "every weight a step reads once (experts: those a batch hits under uniform routing), at copy bandwidth")
     measure("HF torch path")
     apply_tilegym_kernel_to_mamba2(model=model)
     eager = measure("patched, eager")
@@ -126,6 +131,29 @@ def run_decode_bench(case=CASE, log=print, device="cuda", dtype=torch.bfloat16, 
     if model_name == "mamba2":
         _mamba_ssm_rows(case, row, prompts, prefill_ids, device, dtype)
     return rows
+
+
+def weight_read_bytes(model, batch):
+    """Bytes of weights one decode step of ``batch`` rows reads at least: every parameter but the input
+    embedding's table (a row per token), and of each expert layer the experts the batch is expected
+    to hit, E (1 - (1 - k / E)^batch) of E with top k under uniform routing."""
+    from ..integrations.hf.experts import expert_layers
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not tied:
+        total -= embedding.numel() * embedding.element_size()
+    for module, _ in expert_layers(model):
+        experts = getattr(module, "num_experts", None) or module.input_linear.num_experts
+        top_k = _top_k(model.config)
+        stored = sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() == 3)
+        hit = experts * (1 - (1 - top_k / experts) ** batch)
+        total -= stored * (1 - hit / experts)
+    return total
+
+
+def _top_k(config):
+    return getattr(config, "num_experts_per_tok", None) or 1
 
 
 def _mamba_ssm_rows(case, row, prompts, prefill_ids, device, dtype):
