@@ -13,7 +13,7 @@ from tilegym_mamba2.ssd.forward import run_stages
 from tilegym_mamba2.runtime.launch import poisoned_outputs
 from tilegym_mamba2.runtime.tuning import CHAINED_SEGMENTS, ConfigCache, bucket_key, chained_config, choose_config
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-from tilegym_mamba2.core.validation import check_forward_args
+from tilegym_mamba2.core.validation import check_forward_args, values
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 
@@ -45,7 +45,7 @@ def sample(batch, tokens, groups, heads, state, head, dtype, with_init, seed=Non
 
 
 def chained_run(inputs, per_segment):
-    x, a, b, c, d, dt, init, chunk = check_forward_args(**forward_inputs(inputs), limits=limits.CUTILE)
+    x, a, b, c, d, dt, init, chunk = values(check_forward_args(**forward_inputs(inputs), limits=limits.CUTILE))
     batch, tokens, heads, head_size = x.shape
     config = chained_config(choose_config(batch, tokens, b.shape[2], heads, head_size, b.shape[3], chunk),
                             per_segment)

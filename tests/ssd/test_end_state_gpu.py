@@ -3,6 +3,7 @@ against reference/end_state.py in float64 autograd on the same inputs."""
 import pytest
 import torch
 
+from tilegym_mamba2.backends.cutile import CUTILE
 from tilegym_mamba2.distributed.state_chain import slice_end_state
 from tilegym_mamba2.ssd.reference.end_state import end_state_reference
 
@@ -32,7 +33,7 @@ def test_summary_and_its_gradients_match_float64(case):
     *shape, starts, with_start = case
     x, B, dt, log_decay, start = _inputs(*shape, starts, with_start)
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, B, dt, log_decay, start)]
-    state = slice_end_state("cutile", *leaves[:4], starts, leaves[4])
+    state = slice_end_state(CUTILE, *leaves[:4], starts, leaves[4])
     grad = torch.randn_like(state)
     state.backward(grad)
     ref_leaves = [t.double().clone().requires_grad_() if t is not None else None for t in (x, B, dt, log_decay, start)]
@@ -53,7 +54,7 @@ def test_tokens_before_the_run_reach_nothing():
     x, B, dt, log_decay, _ = _inputs(1, 300, 1, 4, 64, 64, [100], False)
     x[:, :100], B[:, :100], dt[:, :100], log_decay[:, :100] = float("nan"), float("inf"), float("nan"), float("nan")
     leaves = [t.clone().requires_grad_() for t in (x, B, dt, log_decay)]
-    state = slice_end_state("cutile", *leaves, [100])
+    state = slice_end_state(CUTILE, *leaves, [100])
     state.backward(torch.ones_like(state))
     assert torch.isfinite(state).all()
     for leaf in leaves:

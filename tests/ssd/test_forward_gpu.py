@@ -16,7 +16,7 @@ from tilegym_mamba2.runtime.launch import poisoned_outputs
 from tilegym_mamba2.runtime.tuning import Config, choose_config
 from tilegym_mamba2.ssd.reference.forward import chunked_forward_reference, decay_cumsum_reference, chunk_states_reference
 from tilegym_mamba2.testing import Mamba2ProblemSpec, forward_inputs
-from tilegym_mamba2.core.validation import check_forward_args
+from tilegym_mamba2.core.validation import check_forward_args, values
 
 from gpu_checks import fresh_seed, rel_err  # noqa: E402
 
@@ -80,8 +80,8 @@ def test_every_stage_matches_reference(chunk, chunks_per_segment, group_scores):
     config = Config(chunk_size=chunk, chunks_per_segment=chunks_per_segment, state_head_tile=32,
                     state_tile=32, out_head_tile=64, group_scores=group_scores)
     with poisoned_outputs():
-        stages = run_stages(*args, config=config)
-    x, a, b, c, d, dt, init, chunk = args
+        stages = run_stages(*values(args), config=config)
+    x, a, b, c, d, dt, init, chunk = values(args)
     g = decay_cumsum_reference(a, dt, chunk)
     assert rel_err(stages.dt_bht[:, :, :1000], dt.permute(0, 2, 1)) < 1e-6
     assert torch.all(stages.dt_bht[:, :, 1000:] == 0), "padded tokens must have dt = 0"
@@ -99,12 +99,12 @@ def test_group_scores_give_the_output_of_scores_in_the_block():
     """C·B^T read from group_scores.py or multiplied in compute_out: the same output."""
     spec, inputs = sample(2, 1500, 2, 32, 128, 64, 128)
     args = check_forward_args(**forward_inputs(inputs), limits=limits.CUTILE)
-    x, a, b, c, d, dt, init, chunk = args
+    x, a, b, c, d, dt, init, chunk = values(args)
     base = choose_config(2, 1500, 2, 32, 64, 128, chunk)  # both paths are forced below
     outs = []
     for group_scores in (True, False):
         with poisoned_outputs():
-            outs.append(run_stages(*args, config=replace(base, group_scores=group_scores)).out)
+            outs.append(run_stages(*values(args), config=replace(base, group_scores=group_scores)).out)
     assert rel_err(outs[0], inputs["out"]) < 1e-2, f"seed={spec.seed}"
     assert rel_err(outs[0], outs[1]) < 1e-4, f"seed={spec.seed}"
 
@@ -126,7 +126,7 @@ def test_fp32_forward_follows_torch_matmul_precision(group_scores):
         for precision in ("highest", "high"):
             torch.set_float32_matmul_precision(precision)
             with poisoned_outputs():
-                stages = run_stages(*args, config=config)
+                stages = run_stages(*values(args), config=config)
             worst[precision] = max(rel_err(stages.out, inputs["out"]),
                                    rel_err(stages.final_state, inputs["final_state"]))
     finally:

@@ -11,7 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import tilegym_mamba2  # noqa: E402
+import tilegym_mamba2
+from tilegym_mamba2.backends.base import Backend  # noqa: E402
 from tilegym_mamba2.transformers import apply_tilegym_kernel_to_mamba2  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 
@@ -161,8 +162,8 @@ def test_gpu_bf16_training_step(monkeypatch):
     in fp32 on transformers' torch path, no further from it than transformers' own bf16 torch
     path, give or take."""
     scans = []
-    real = tilegym_mamba2.backends.dispatch.scan_combined_on  # every scan goes through it
-    monkeypatch.setattr(tilegym_mamba2.backends.dispatch, "scan_combined_on", lambda *a, **k: scans.append(1) or real(*a, **k))
+    real = Backend.scan_combined  # every scan goes through it
+    monkeypatch.setattr(Backend, "scan_combined", lambda *a, **k: scans.append(1) or real(*a, **k))
     ref_model, model, fp32_model = gpu_pair(seed=15, monkeypatch=monkeypatch)
     ids = prompt(batch=2, tokens=300, device="cuda", seed=16)
     for m in (ref_model, model, fp32_model):
