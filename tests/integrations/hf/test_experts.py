@@ -120,3 +120,48 @@ def test_an_expert_layer_of_another_layout_is_refused_by_name():
     with pytest.raises(ValueError, match="1: StrangeMoE is an expert layer of a layout the decode graphs do not know"):
         expert_layers(model)
     assert experts_module.expert_layers(torch.nn.Linear(2, 2)) == []
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE_HYBRIDS))
+def test_router_ties_pick_the_experts_transformers_picks(model_type, capturing):
+    """A router whose logits all tie (its weights zeroed): the capture-safe path routes with the same
+    top-k call on the same logits, so ties go to the experts transformers' own forward picks."""
+    model = hybrid(model_type)
+    for name, parameter in model.named_parameters():
+        if "router" in name or name.endswith("gate.weight"):
+            with torch.no_grad():
+                parameter.zero_()
+    layers = expert_layers(model)
+    blocks = [_block_of(model, module) for module, _ in layers]
+    x = torch.randn(1, 3, model.config.hidden_size)
+    with torch.no_grad():
+        want = [block(x) for block in blocks]
+    capture_safe_experts(model)
+    capturing()
+    with torch.no_grad():
+        got = [block(x) for block in blocks]
+    for ours, theirs in zip(got, want):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", sorted(MOE_HYBRIDS))
+def test_gpu_moe_graph_decoding_bf16_logits_within_tolerance(model_type):
+    """bf16: the graphs' logits at every step within bf16 error of the eager patched model's."""
+    from tilegym_mamba2.integrations.hf.decode_graphs import disable_decode_graphs, enable_decode_graphs
+    model = hybrid(model_type, device="cuda", dtype=torch.bfloat16)
+    apply_tilegym_kernel_to_mamba2(model=model)
+    ids, mask = left_padded(5, "cuda")
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              output_scores=True, return_dict_in_generate=True)
+        enable_decode_graphs(model, buckets=(8,))
+        try:
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True)
+            assert all(step.graph is not None for step in model.forward.steps.values())
+        finally:
+            disable_decode_graphs(model)
+    for ours, theirs in zip(got.scores, want.scores):
+        assert torch.isfinite(ours).all()
+        assert (ours.float() - theirs.float()).abs().max() <= 0.05 * theirs.float().abs().max()
