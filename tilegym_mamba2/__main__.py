@@ -104,6 +104,9 @@ def main(argv=None):
     bench.add_argument("--model", default="mamba2", choices=["mamba2", *sorted(HYBRID_SHAPES)],
                        help="with --serving --decode-graphs: the model, a Mamba2 2.7B shape or a hybrid of a "
                             "released model's shape (random, bf16)")
+    bench.add_argument("--hf-training", nargs="?", const="130m", choices=["130m", "1.3b"], default=None,
+                       help="instead: a HF Mamba2ForCausalLM's AdamW training step (random, 4096 tokens), patched "
+                            "vs transformers' torch path in bf16, loss curves against the torch path in fp32")
     bench.add_argument("--context-parallel", action="store_true",
                        help="instead: one long sequence split over ranks (run under torchrun, one process per "
                             "GPU; without it, two processes sharing one GPU, or the CPU)")
@@ -323,6 +326,12 @@ def bench_cmd(args) -> int:
     if not torch.cuda.is_available():
         print("bench needs an NVIDIA GPU; none is visible to torch", file=sys.stderr)
         return 1
+    if args.hf_training:
+        from .bench.hf_training import run_hf_training_bench
+        result = run_hf_training_bench(args.hf_training)
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), **result), f, indent=1)
+        return 0
     shapes = bench.GRID_SHAPES if args.grid else bench.ANCHOR_SHAPES
     if args.stages:
         bench.stage_times(shapes)
