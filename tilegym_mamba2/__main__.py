@@ -338,7 +338,11 @@ def bench_cmd(args) -> int:
         return 0
     if args.layer:
         from .bench.layer import layer_table, run_layer_bench
-        return _save_and_print(run_layer_bench(training=args.backward), layer_table, args.json)
+        rows = run_layer_bench(training=args.backward)
+        if args.backward:  # the whole block's training step too (bench/block.py)
+            from .bench.block import run_block_bench
+            rows += [dict(row, mode="block, forward + backward") for row in run_block_bench()]
+        return _save_and_print(rows, layer_table, args.json)
     if args.backward:
         from .bench.backward import backward_table, run_backward_bench
         return _save_and_print(run_backward_bench(only=args.only), backward_table, args.json)
