@@ -151,8 +151,9 @@ def test_gpu_hybrid_graph_decoding_gives_the_eager_tokens_in_fp32(model_type):
 
 
 @pytest.mark.gpu
-def test_gpu_hybrid_graph_decoding_bf16_logits_within_tolerance():
-    model = hybrid("bamba", device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("model_type", ["bamba", "granitemoehybrid", "nemotron_h-moe"])
+def test_gpu_hybrid_graph_decoding_bf16_logits_within_tolerance(model_type):
+    model = hybrid(model_type, device="cuda", dtype=torch.bfloat16)
     apply_tilegym_kernel_to_mamba2(model=model)
     ids, mask = left_padded(5, "cuda")
     with torch.no_grad():
