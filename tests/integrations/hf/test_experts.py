@@ -32,9 +32,11 @@ def capturing(monkeypatch):
 
 
 @pytest.mark.parametrize("model_type", sorted(MOE_HYBRIDS))
-@pytest.mark.parametrize("tokens", [1, 2, 7])  # 4 experts, top 2: one or two tokens gather, seven run every expert
-def test_each_expert_layer_gives_its_eager_output(model_type, tokens, capturing):
+@pytest.mark.parametrize("tokens", [1, 2, 7])
+@pytest.mark.parametrize("gather_cost", [1, 3])  # 4 experts, top 2: at cost 1 one or two tokens gather
+def test_each_expert_layer_gives_its_eager_output(model_type, tokens, gather_cost, capturing, monkeypatch):
     """Each MoE block (its router runs too), eager, then with its experts on the capture-safe path."""
+    monkeypatch.setattr(experts_module, "GATHER_COST", gather_cost)
     model = hybrid(model_type)
     assert expert_layers(model), f"no expert layer found in {model_type}"
     for ours, theirs in eager_then_capture_safe(model, torch.randn(1, tokens, model.config.hidden_size), capturing):
@@ -63,14 +65,14 @@ def _block_of(model, module):
 
 def test_routed_experts_gather_and_dense_agree_with_a_loop():
     gen = torch.Generator().manual_seed(0)
-    experts, width, hidden = 5, 8, 6
+    experts, width, hidden = 15, 8, 6
     up, down = torch.randn(experts, 2 * hidden, width, generator=gen), torch.randn(experts, width, hidden, generator=gen)
 
     def activate(h):
         gate, lin = h.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * lin
 
-    for tokens in (1, 2, 9):  # 2 pairs per token: gathers while tokens * 2 <= 5
+    for tokens in (1, 2, 9):  # 2 pairs per token: gathers while 3 * tokens * 2 <= 15
         x = torch.randn(tokens, width, generator=gen)
         index = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
         weights = torch.rand(tokens, 2, generator=gen)
@@ -83,9 +85,11 @@ def test_routed_experts_gather_and_dense_agree_with_a_loop():
 
 
 @pytest.mark.parametrize("model_type", sorted(MOE_HYBRIDS))
-def test_tokens_with_the_capture_safe_experts_are_transformers_own(model_type, monkeypatch):
+@pytest.mark.parametrize("gather_cost", [1, 3])  # at 1 the batch of one gathers its two experts
+def test_tokens_with_the_capture_safe_experts_are_transformers_own(model_type, gather_cost, monkeypatch):
     """The static-cache decode step (run without a graph) with every expert layer on its capture-safe
     path: batches of 1, 5 and 13 left-padded prompts give transformers' greedy tokens."""
+    monkeypatch.setattr(experts_module, "GATHER_COST", gather_cost)
     reference = hybrid(model_type)
     model = copy.deepcopy(reference)
     apply_tilegym_kernel_to_mamba2(model=model)

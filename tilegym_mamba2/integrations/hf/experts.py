@@ -21,6 +21,9 @@ import types
 import torch
 
 _EAGER = "_tilegym_mamba2_eager_forward"  # on a module we gave a capture-safe forward: its own
+# Gathering a pair's expert weights writes a copy that the matmul reads again: about 3 reads of an
+# expert per (token, expert) pair, against 1 per expert when every expert runs on every token.
+GATHER_COST = 3
 
 
 def routed_experts(x, top_k_index, top_k_weights, up, down, activate, *, up_bias=None, down_bias=None,
@@ -29,12 +32,12 @@ def routed_experts(x, top_k_index, top_k_weights, up, down, activate, *, up_bias
     x [tokens, in]; up, down [experts, out, in] ([experts, in, out] when ``transposed``); biases
     [experts, out]. No host read and the same work for every routing, so a graph can replay it.
 
-    With fewer (token, expert) pairs than experts each pair gathers its expert's weights (reading
-    at most as many experts as a step uses); with more, every expert runs on every token and the
-    router's weights (zero where not chosen) mix them, reading each expert once."""
+    With few (token, expert) pairs each pair gathers its expert's weights (the experts a step uses,
+    read about GATHER_COST times); with more, every expert runs on every token and the router's
+    weights (zero where not chosen) mix them, reading each expert once."""
     tokens, top_k = top_k_index.shape
     experts = up.shape[0]
-    if tokens * top_k <= experts:
+    if GATHER_COST * tokens * top_k <= experts:
         index = top_k_index.reshape(-1)
         pairs = x.repeat_interleave(top_k, dim=0)  # [tokens * top_k, in], pair (t, k) at t * top_k + k
         hidden = _per_pair(pairs, up[index], transposed)
